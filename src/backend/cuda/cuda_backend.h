@@ -1,0 +1,31 @@
+// What the core layer asks of the CUDA backend. Compiled only when TESSERA_WITH_CUDA is on;
+// everything here takes the CUDA runtime's types as plain pointers so that C++-only
+// translation units can include it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tessera/core/allocator.h"
+#include "tessera/core/tensor.h"
+
+namespace tessera::cuda {
+
+bool device_present();
+Allocator& caching_allocator(int device_index);
+void memcpy_any(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+void synchronize(void* stream);
+
+void fill_uniform(void* stream, Tensor& out, float low, float high, uint64_t seed, uint64_t offset);
+void fill_normal(void* stream, Tensor& out, float mean, float std, uint64_t seed, uint64_t offset);
+void cast(void* stream, const Tensor& in, Tensor& out);
+
+// Allocator statistics, for tests and the benchmark reports.
+struct AllocatorStats {
+  size_t bytes_in_use = 0;
+  size_t bytes_cached = 0;
+  size_t device_allocations = 0;  // calls that reached cudaMalloc
+};
+AllocatorStats allocator_stats(int device_index);
+
+}  // namespace tessera::cuda
