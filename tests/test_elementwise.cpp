@@ -60,3 +60,12 @@ TEST(Transpose2d, MovesEveryElement) {
   Tensor x = Tensor::zeros({2, 3}, DType::F32), bad = Tensor::zeros({2, 3}, DType::F32);
   EXPECT_THROW(transpose_2d(ctx, x, bad), Error);
 }
+
+TEST(Scale, MultipliesInPlace) {
+  Context ctx = Context::cpu();
+  Tensor x = Tensor::from_floats({1, -2, 3.5f}, {3});
+  scale(ctx, x, -2.0f, x);
+  EXPECT_EQ(x.to_floats(), (std::vector<float>{-2, 4, -7}));
+  Tensor wrong = Tensor::zeros({2}, DType::F32);
+  EXPECT_THROW(scale(ctx, x, 1.0f, wrong), Error);
+}

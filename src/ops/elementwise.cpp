@@ -23,6 +23,18 @@ void add(Context& ctx, const Tensor& a, const Tensor& b, Tensor& out) {
   cpu::add(a, b, out);
 }
 
+void scale(Context& ctx, const Tensor& in, float alpha, Tensor& out) {
+  const char* op = "scale";
+  check_contiguous(in, op, "in");
+  check_contiguous(out, op, "out");
+  check_floating(in, op, "in");
+  check_floating(out, op, "out");
+  TESSERA_CHECK(in.shape() == out.shape(), op, ": in ", in.describe(), " and out ", out.describe(), " differ in shape");
+  check_on_device(ctx, op, {&in, &out});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::scale(in, alpha, out);
+}
+
 void cast(Context& ctx, const Tensor& in, Tensor& out) {
   const char* op = "cast";
   check_contiguous(in, op, "in");

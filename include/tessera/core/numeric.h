@@ -8,6 +8,7 @@
 // (the "satfinite" mode of the hardware conversions).
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -167,13 +168,44 @@ TESSERA_HD uint8_t e8m0_from_exponent(int exponent) {
 }
 
 // Rounds a positive float down to a power of two (the exponent of its leading bit) and
-// returns its E8M0 code; NaN, negative and zero inputs give NaN (0xff) / 2^-127.
+// returns its E8M0 code, clamped to [2^-127, 2^127]. Zero gives 2^-127 (code 0); NaN,
+// infinities and negative inputs give the NaN code 0xff (E8M0 has no infinity or sign).
 TESSERA_HD uint8_t float_to_e8m0_floor(float x) {
-  if (x != x || x < 0.0f) return 0xff;
+  if (x != x || x < 0.0f || x == INFINITY) return 0xff;
   if (x == 0.0f) return 0;
   int e;
   frexpf(x, &e);
   return e8m0_from_exponent(e - 1);
+}
+
+// ---- FP8 scaling recipes: the scalar rules shared by the CPU reference and the kernels ----
+
+// The scale that maps a tensor (or block) with max |x| = amax onto the FP8 range:
+//   scale = fp8_max / amax / 2^margin            (Transformer Engine's formula)
+// Zero, negative, NaN or infinite amax gives 1. A scale that overflows float (tiny amax)
+// becomes FLT_MAX. power_of_two rounds the scale down to a power of two by dropping its
+// mantissa bits, so that scaling and unscaling are exact. Bit-exact across backends when
+// margin is an integer (exp2f of an integer is exact).
+TESSERA_HD float fp8_scale_for_amax(float amax, float fp8_max, float margin, bool power_of_two) {
+  if (!(amax > 0.0f) || amax == INFINITY) return 1.0f;
+  float scale = fp8_max / amax;
+  if (margin != 0.0f) scale = scale / exp2f(margin);
+  if (scale == INFINITY) scale = FLT_MAX;
+  if (power_of_two) scale = bits_float(float_bits(scale) & 0xff800000u);
+  return scale;
+}
+
+// OCP Microscaling (MX) shared block exponent: floor(log2(amax)) - emax_elem, where
+// emax_elem is the exponent of the element format's largest normal value (8 for E4M3,
+// 15 for E5M2), clamped to E8M0's [-127, 127]. Returns the E8M0 code. An all-zero block
+// gets code 0 (2^-127, the clamp of log2(0) = -inf); NaN or infinite amax gives the NaN
+// code 0xff, which makes the whole block decode to NaN.
+TESSERA_HD uint8_t mx_scale_code_for_amax(float amax, int emax_elem) {
+  if (!(amax <= FLT_MAX)) return 0xff;
+  if (amax <= 0.0f) return 0;
+  int e;
+  frexpf(amax, &e);
+  return e8m0_from_exponent(e - 1 - emax_elem);
 }
 
 // ---- Little value types, so that containers and kernels can name the formats -------------

@@ -13,6 +13,9 @@ namespace tessera {
 // Backward is the identity for both inputs: d_a = d_b = d_out.
 void add(Context& ctx, const Tensor& a, const Tensor& b, Tensor& out);
 
+// out = alpha * in (out may be in itself). Any floating dtypes, same shape.
+void scale(Context& ctx, const Tensor& in, float alpha, Tensor& out);
+
 // out = in converted to out's dtype, rounding to nearest even (FP8: saturating).
 // Integer <-> floating casts are allowed; integers truncate toward zero.
 void cast(Context& ctx, const Tensor& in, Tensor& out);

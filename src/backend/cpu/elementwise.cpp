@@ -20,6 +20,18 @@ void add(const Tensor& a, const Tensor& b, Tensor& out) {
   });
 }
 
+void scale(const Tensor& in, float alpha, Tensor& out) {
+  dispatch_compute_type(out.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    ReadBuffer<T> x(in);
+    WriteBuffer<T> y(out);
+    const int64_t n = out.numel();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(alpha) * x[i];
+    y.commit();
+  });
+}
+
 void cast(const Tensor& in, Tensor& out) {
   const int64_t n = in.numel();
   const void* src = in.raw_data();

@@ -1,0 +1,51 @@
+// Matrix multiply (GEMM) and the two reductions that go with linear layers: the bias
+// gradient and the sum of squares behind global gradient-norm clipping.
+//
+// All matrices are row-major and contiguous. Outputs are preallocated by the caller.
+//
+// GEMM has no backward of its own: a linear layer y = x W^T + b is differentiated with
+// more GEMMs, following the gradient rule of every op (activation gradients are
+// overwritten, parameter gradients accumulate):
+//   dx  = dy W              gemm(dy, W, dx)                                   (beta = 0)
+//   dW += dy^T x            gemm(dy, x, dW, {.transpose_a = true, .beta = 1})
+//   db += sum_rows(dy)      bias_grad(dy, db)
+#pragma once
+
+#include "tessera/core/context.h"
+#include "tessera/core/tensor.h"
+
+namespace tessera {
+
+struct GemmOptions {
+  bool transpose_a = false;  // op(a) = a^T, so a is stored as [K, M]
+  bool transpose_b = false;  // op(b) = b^T, so b is stored as [N, K]
+  float alpha = 1, beta = 0;
+  // Dequantization factors, multiplied into the product: FP8 operands hold x * scale, so
+  // scale_inv = 1 / scale recovers x. They apply to any dtype and are 1 when unused.
+  float a_scale_inv = 1, b_scale_inv = 1;
+};
+
+// c[M, N] = alpha * a_scale_inv * b_scale_inv * op(a) op(b) + beta * c + bias[N]
+//
+// op(a) is [M, K], op(b) is [K, N]. bias is optional (undefined tensor = none), 1-D [N],
+// any floating dtype, added to every row.
+// Dtypes: a, b in F64, F32, BF16, F16, E4M3, E5M2; c in F64, F32, BF16.
+// Computes in double when a, b and c are all F64, otherwise in float (low-precision inputs
+// are upcast exactly, products accumulate in FP32).
+// beta = 0 overwrites c without reading it, so NaN or garbage in c does not leak through.
+// c must not overlap a, b or bias in memory.
+void gemm(Context& ctx, const Tensor& a, const Tensor& b, Tensor& c, const GemmOptions& options = {},
+          const Tensor& bias = Tensor());
+
+// dbias[n] += sum_m dy[m, n]. dy is [M, N], dbias is [N]; any floating dtypes.
+// A parameter gradient, so it ACCUMULATES into dbias (zero it before the first micro-batch).
+// Column sums are accumulated in double.
+void bias_grad(Context& ctx, const Tensor& dy, Tensor& dbias);
+
+// out[0] = sum_i x[i]^2 over every element of x (any shape, any floating dtype).
+// out is [1], F32 or F64, and is overwritten. Accumulates in double, in a fixed order, so
+// the result does not depend on the number of threads. Square root of the sum over all
+// gradients gives the global gradient norm used for clipping.
+void sum_of_squares(Context& ctx, const Tensor& x, Tensor& out);
+
+}  // namespace tessera

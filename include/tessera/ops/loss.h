@@ -1,0 +1,38 @@
+// Cross-entropy loss over a vocabulary, the training objective of a language model.
+//
+// logits [N, V] (row-major, any floating dtype), targets [N] (I32 or I64). Rows whose
+// target equals ignore_index (padding, prompt tokens) contribute neither loss nor gradient.
+#pragma once
+
+#include <cstdint>
+
+#include "tessera/core/context.h"
+#include "tessera/core/tensor.h"
+
+namespace tessera {
+
+struct CrossEntropyOptions {
+  int64_t ignore_index = -100;
+};
+
+// lse[n]  = log(sum_v exp(logits[n, v]))                 (max-subtracted, so 1e4 logits stay finite)
+// loss[0] = (1 / n_valid) * sum over valid n of (lse[n] - logits[n, targets[n]])
+// n_valid is the number of rows whose target is not ignore_index. With no valid row the
+// loss is 0 (not NaN), so a batch made only of padding adds nothing.
+// loss is [1], F32 or F64. lse is [N], the statistic saved for the backward: F64 when
+// logits are F64, F32 otherwise; ignored rows get their lse too. Both are overwritten.
+// Computes in double when logits are F64, otherwise in float, with row sums in double.
+// A target outside [0, V) that is not ignore_index throws Error.
+void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& targets, Tensor& loss, Tensor& lse,
+                           const CrossEntropyOptions& options = {});
+
+// d_logits[n, v] = d_loss * (exp(logits[n, v] - lse[n]) - [v == targets[n]]) / n_valid
+// for valid rows, and 0 for ignored rows (all zero when no row is valid). logits are an
+// activation, so d_logits is OVERWRITTEN. d_logits is [N, V], any floating dtype; lse is
+// the one cross_entropy_forward produced for the same logits. d_logits may be logits
+// itself, so the gradient replaces the logits in place and saves an [N, V] buffer; no
+// other overlap is allowed.
+void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                            float d_loss, Tensor& d_logits, const CrossEntropyOptions& options = {});
+
+}  // namespace tessera

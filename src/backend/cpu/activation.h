@@ -1,0 +1,8 @@
+#pragma once
+#include "tessera/core/tensor.h"
+namespace tessera::cpu {
+void gelu_forward(const Tensor& x, Tensor& y);
+void gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
+void swiglu_forward(const Tensor& x, Tensor& y);
+void swiglu_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
+}  // namespace tessera::cpu

@@ -1,0 +1,82 @@
+#include "tessera/ops/attention.h"
+
+#include <cmath>
+
+#include "backend/cpu/attention.h"
+#include "dispatch.h"
+
+namespace tessera {
+
+namespace {
+
+// Checks q, k, v (and the lse shape) and returns the resolved softmax scale.
+double check_attention_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
+                              const AttentionOptions& options) {
+  check_contiguous(q, op, "q");
+  check_contiguous(k, op, "k");
+  check_contiguous(v, op, "v");
+  check_contiguous(lse, op, "lse");
+  check_floating(q, op, "q");
+  TESSERA_CHECK(q.dim() == 4, op, ": q must be 4-D [batch, queries, q_heads, head_dim], got ", q.describe());
+  TESSERA_CHECK(k.dim() == 4, op, ": k must be 4-D [batch, keys, kv_heads, head_dim], got ", k.describe());
+  check_dtype(k, q.dtype(), op, "k");
+  check_dtype(v, q.dtype(), op, "v");
+  check_shape(v, k.shape(), op, "v");
+
+  const int64_t batch = q.size(0), queries = q.size(1), q_heads = q.size(2), head_dim = q.size(3);
+  const int64_t keys = k.size(1), kv_heads = k.size(2);
+  TESSERA_CHECK(k.size(0) == batch, op, ": batch sizes differ: q ", q.describe(), ", k ", k.describe());
+  TESSERA_CHECK(k.size(3) == head_dim, op, ": head_dim differs: q ", q.describe(), ", k ", k.describe());
+  TESSERA_CHECK(head_dim >= 1, op, ": head_dim must be at least 1, got q ", q.describe());
+  TESSERA_CHECK(keys >= 1, op, ": k has no keys (shape ", k.shape_string(), "), so the softmax is empty");
+  TESSERA_CHECK(q_heads >= 1 && kv_heads >= 1, op, ": q and k need at least one head, got q ", q.describe(), ", k ",
+                k.describe());
+  TESSERA_CHECK(q_heads % kv_heads == 0, op, ": q_heads (", q_heads, ") must be a multiple of kv_heads (", kv_heads,
+                ") for grouped-query attention; q ", q.describe(), ", k ", k.describe());
+  TESSERA_CHECK(!options.causal || keys >= queries, op,
+                ": causal attention needs at least as many keys as queries, got ", queries, " queries (q ",
+                q.describe(), ") and ", keys, " keys (k ", k.describe(),
+                "); with the bottom-right aligned mask the first ", queries - keys, " queries would see no key");
+  TESSERA_CHECK(std::isfinite(options.scale), op, ": scale must be finite, got ", options.scale);
+
+  TESSERA_CHECK(lse.dtype() == DType::F32 || lse.dtype() == DType::F64, op, ": lse must be f32 or f64, got ",
+                lse.describe());
+  check_shape(lse, {batch, q_heads, queries}, op, "lse");
+  return options.scale != 0 ? static_cast<double>(options.scale) : 1.0 / std::sqrt(static_cast<double>(head_dim));
+}
+
+// A tensor shaped and typed like `like` (q or k).
+void check_like(const char* op, const Tensor& t, const char* name, const Tensor& like) {
+  check_contiguous(t, op, name);
+  check_dtype(t, like.dtype(), op, name);
+  check_shape(t, like.shape(), op, name);
+}
+
+}  // namespace
+
+void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                       const AttentionOptions& options) {
+  const char* op = "attention_forward";
+  const double scale = check_attention_inputs(op, q, k, v, lse, options);
+  check_like(op, out, "out", q);
+  check_on_device(ctx, op, {&q, &k, &v, &out, &lse});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::attention_forward(q, k, v, out, lse, options.causal, scale);
+}
+
+void attention_backward(Context& ctx, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
+                        const AttentionOptions& options) {
+  const char* op = "attention_backward";
+  const double scale = check_attention_inputs(op, q, k, v, lse, options);
+  check_like(op, d_out, "d_out", q);
+  check_like(op, out, "out", q);
+  check_like(op, dq, "dq", q);
+  check_like(op, dk, "dk", k);
+  check_like(op, dv, "dv", k);
+  check_on_device(ctx, op, {&d_out, &q, &k, &v, &out, &lse, &dq, &dk, &dv});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::attention_backward(d_out, q, k, v, out, lse, dq, dk, dv, options.causal, scale);
+}
+
+}  // namespace tessera

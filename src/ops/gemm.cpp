@@ -1,0 +1,88 @@
+#include "tessera/ops/gemm.h"
+
+#include <cstdint>
+
+#include "backend/cpu/gemm.h"
+#include "dispatch.h"
+
+namespace tessera {
+namespace {
+
+bool is_gemm_input_dtype(DType t) {
+  return t == DType::F64 || t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::E4M3 ||
+         t == DType::E5M2;
+}
+
+bool is_gemm_output_dtype(DType t) { return t == DType::F64 || t == DType::F32 || t == DType::BF16; }
+
+// True when the bytes of two defined tensors intersect: a kernel writing one while
+// reading the other would read its own partial results.
+bool memory_overlaps(const Tensor& x, const Tensor& y) {
+  if (!x.defined() || !y.defined() || x.numel() == 0 || y.numel() == 0) return false;
+  const auto* x0 = static_cast<const char*>(x.raw_data());
+  const auto* y0 = static_cast<const char*>(y.raw_data());
+  return x0 < y0 + y.nbytes() && y0 < x0 + x.nbytes();
+}
+
+}  // namespace
+
+void gemm(Context& ctx, const Tensor& a, const Tensor& b, Tensor& c, const GemmOptions& options, const Tensor& bias) {
+  const char* op = "gemm";
+  check_contiguous(a, op, "a");
+  check_contiguous(b, op, "b");
+  check_contiguous(c, op, "c");
+  TESSERA_CHECK(is_gemm_input_dtype(a.dtype()), op, ": a must be F64, F32, BF16, F16, E4M3 or E5M2, got ",
+                a.describe());
+  TESSERA_CHECK(is_gemm_input_dtype(b.dtype()), op, ": b must be F64, F32, BF16, F16, E4M3 or E5M2, got ",
+                b.describe());
+  TESSERA_CHECK(is_gemm_output_dtype(c.dtype()), op, ": c must be F64, F32 or BF16, got ", c.describe());
+  TESSERA_CHECK(a.dim() == 2, op, ": a must be 2-D, got ", a.describe());
+  TESSERA_CHECK(b.dim() == 2, op, ": b must be 2-D, got ", b.describe());
+  TESSERA_CHECK(c.dim() == 2, op, ": c must be 2-D, got ", c.describe());
+  const int64_t m = options.transpose_a ? a.size(1) : a.size(0);
+  const int64_t k = options.transpose_a ? a.size(0) : a.size(1);
+  const int64_t kb = options.transpose_b ? b.size(1) : b.size(0);
+  const int64_t n = options.transpose_b ? b.size(0) : b.size(1);
+  TESSERA_CHECK(k == kb, op, ": inner dimensions differ: op(a) is [", m, ", ", k, "] (a ", a.describe(),
+                options.transpose_a ? ", transposed" : "", "), op(b) is [", kb, ", ", n, "] (b ", b.describe(),
+                options.transpose_b ? ", transposed" : "", ")");
+  TESSERA_CHECK(c.size(0) == m && c.size(1) == n, op, ": c must have shape [", m, ", ", n, "], got ", c.describe());
+  if (bias.defined()) {
+    check_contiguous(bias, op, "bias");
+    check_floating(bias, op, "bias");
+    check_shape(bias, {n}, op, "bias");
+  }
+  TESSERA_CHECK(!memory_overlaps(c, a) && !memory_overlaps(c, b) && !memory_overlaps(c, bias), op,
+                ": c ", c.describe(), " overlaps an input in memory");
+  check_on_device(ctx, op, {&a, &b, &c, &bias});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::gemm(a, b, c, options, bias);
+}
+
+void bias_grad(Context& ctx, const Tensor& dy, Tensor& dbias) {
+  const char* op = "bias_grad";
+  check_contiguous(dy, op, "dy");
+  check_contiguous(dbias, op, "dbias");
+  check_floating(dy, op, "dy");
+  check_floating(dbias, op, "dbias");
+  TESSERA_CHECK(dy.dim() == 2, op, ": dy must be 2-D [M, N], got ", dy.describe());
+  check_shape(dbias, {dy.size(1)}, op, "dbias");
+  check_on_device(ctx, op, {&dy, &dbias});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::bias_grad(dy, dbias);
+}
+
+void sum_of_squares(Context& ctx, const Tensor& x, Tensor& out) {
+  const char* op = "sum_of_squares";
+  check_contiguous(x, op, "x");
+  check_contiguous(out, op, "out");
+  check_floating(x, op, "x");
+  TESSERA_CHECK(out.dtype() == DType::F32 || out.dtype() == DType::F64, op, ": out must be F32 or F64, got ",
+                out.describe());
+  check_shape(out, {1}, op, "out");
+  check_on_device(ctx, op, {&x, &out});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::sum_of_squares(x, out);
+}
+
+}  // namespace tessera

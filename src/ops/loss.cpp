@@ -1,0 +1,58 @@
+#include "tessera/ops/loss.h"
+
+#include "backend/cpu/loss.h"
+#include "dispatch.h"
+
+namespace tessera {
+namespace {
+
+// The dtype the saved log-sum-exp must have: the statistics rule of every op.
+DType lse_dtype_for(const Tensor& logits) { return logits.dtype() == DType::F64 ? DType::F64 : DType::F32; }
+
+void check_logits_and_targets(const Tensor& logits, const Tensor& targets, const char* op) {
+  check_contiguous(logits, op, "logits");
+  check_contiguous(targets, op, "targets");
+  check_floating(logits, op, "logits");
+  TESSERA_CHECK(logits.dim() == 2, op, ": logits must be 2-D [N, V], got ", logits.describe());
+  TESSERA_CHECK(logits.size(1) > 0, op, ": logits need a vocabulary of at least one entry, got ", logits.describe());
+  TESSERA_CHECK(targets.dtype() == DType::I32 || targets.dtype() == DType::I64, op,
+                ": targets must be I32 or I64, got ", targets.describe());
+  check_shape(targets, {logits.size(0)}, op, "targets");
+}
+
+void check_lse(const Tensor& logits, const Tensor& lse, const char* op) {
+  check_contiguous(lse, op, "lse");
+  check_dtype(lse, lse_dtype_for(logits), op, "lse");
+  check_shape(lse, {logits.size(0)}, op, "lse");
+}
+
+}  // namespace
+
+void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& targets, Tensor& loss, Tensor& lse,
+                           const CrossEntropyOptions& options) {
+  const char* op = "cross_entropy_forward";
+  check_logits_and_targets(logits, targets, op);
+  check_contiguous(loss, op, "loss");
+  TESSERA_CHECK(loss.dtype() == DType::F32 || loss.dtype() == DType::F64, op, ": loss must be F32 or F64, got ",
+                loss.describe());
+  check_shape(loss, {1}, op, "loss");
+  check_lse(logits, lse, op);
+  check_on_device(ctx, op, {&logits, &targets, &loss, &lse});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::cross_entropy_forward(logits, targets, loss, lse, options);
+}
+
+void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                            float d_loss, Tensor& d_logits, const CrossEntropyOptions& options) {
+  const char* op = "cross_entropy_backward";
+  check_logits_and_targets(logits, targets, op);
+  check_lse(logits, lse, op);
+  check_contiguous(d_logits, op, "d_logits");
+  check_floating(d_logits, op, "d_logits");
+  check_shape(d_logits, logits.shape(), op, "d_logits");
+  check_on_device(ctx, op, {&logits, &targets, &lse, &d_logits});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::cross_entropy_backward(logits, targets, lse, d_loss, d_logits, options);
+}
+
+}  // namespace tessera

@@ -1,0 +1,108 @@
+#include "tessera/ops/norm.h"
+
+#include <cmath>
+
+#include "backend/cpu/norm.h"
+#include "dispatch.h"
+
+namespace tessera {
+namespace {
+
+// x: contiguous, floating, at least 1-D with a non-empty last dimension. Returns C.
+int64_t check_normalized_input(const Tensor& x, const char* op, const char* name) {
+  check_contiguous(x, op, name);
+  check_floating(x, op, name);
+  TESSERA_CHECK(x.dim() >= 1, op, ": ", name, " must have at least one dimension, got ", x.describe());
+  TESSERA_CHECK(x.size(-1) >= 1, op, ": ", name, " must have a non-empty last dimension, got ", x.describe());
+  return x.size(-1);
+}
+
+// An activation-shaped tensor (y, dy, dx): contiguous, floating, x's shape.
+void check_like_x(const Tensor& t, const Tensor& x, const char* op, const char* name) {
+  check_contiguous(t, op, name);
+  check_floating(t, op, name);
+  check_shape(t, x.shape(), op, name);
+}
+
+// A per-channel parameter or its gradient: contiguous, floating, [C].
+void check_channel_vector(const Tensor& t, int64_t cols, const char* op, const char* name) {
+  check_contiguous(t, op, name);
+  check_floating(t, op, name);
+  check_shape(t, {cols}, op, name);
+}
+
+// Row statistics: F32 (F64 for F64 x), shaped [rows] or like x without its last dimension.
+void check_row_stats(const Tensor& t, const Tensor& x, const char* op, const char* name) {
+  check_contiguous(t, op, name);
+  check_dtype(t, x.dtype() == DType::F64 ? DType::F64 : DType::F32, op, name);
+  const Shape leading(x.shape().begin(), x.shape().end() - 1);
+  const int64_t rows = shape_numel(leading);
+  TESSERA_CHECK(t.shape() == leading || t.shape() == Shape{rows}, op, ": ", name, " must have shape ",
+                shape_to_string(leading), " or [", rows, "] (one value per row of x ", x.describe(), "), got ",
+                t.describe());
+}
+
+void check_eps(float eps, const char* op) {
+  TESSERA_CHECK(std::isfinite(eps) && eps >= 0.0f, op, ": eps must be finite and >= 0, got ", eps);
+}
+
+}  // namespace
+
+void layernorm_forward(Context& ctx, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& y,
+                       Tensor& mean, Tensor& rstd) {
+  const char* op = "layernorm_forward";
+  const int64_t cols = check_normalized_input(x, op, "x");
+  check_channel_vector(gamma, cols, op, "gamma");
+  if (beta.defined()) check_channel_vector(beta, cols, op, "beta");
+  check_like_x(y, x, op, "y");
+  check_row_stats(mean, x, op, "mean");
+  check_row_stats(rstd, x, op, "rstd");
+  check_eps(eps, op);
+  check_on_device(ctx, op, {&x, &gamma, &beta, &y, &mean, &rstd});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::layernorm_forward(x, gamma, beta, eps, y, mean, rstd);
+}
+
+void layernorm_backward(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                        const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
+  const char* op = "layernorm_backward";
+  const int64_t cols = check_normalized_input(x, op, "x");
+  check_like_x(dy, x, op, "dy");
+  check_channel_vector(gamma, cols, op, "gamma");
+  check_row_stats(mean, x, op, "mean");
+  check_row_stats(rstd, x, op, "rstd");
+  check_like_x(dx, x, op, "dx");
+  check_channel_vector(dgamma, cols, op, "dgamma");
+  if (dbeta.defined()) check_channel_vector(dbeta, cols, op, "dbeta");
+  check_on_device(ctx, op, {&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+}
+
+void rmsnorm_forward(Context& ctx, const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd) {
+  const char* op = "rmsnorm_forward";
+  const int64_t cols = check_normalized_input(x, op, "x");
+  check_channel_vector(gamma, cols, op, "gamma");
+  check_like_x(y, x, op, "y");
+  check_row_stats(rstd, x, op, "rstd");
+  check_eps(eps, op);
+  check_on_device(ctx, op, {&x, &gamma, &y, &rstd});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::rmsnorm_forward(x, gamma, eps, y, rstd);
+}
+
+void rmsnorm_backward(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                      Tensor& dx, Tensor& dgamma) {
+  const char* op = "rmsnorm_backward";
+  const int64_t cols = check_normalized_input(x, op, "x");
+  check_like_x(dy, x, op, "dy");
+  check_channel_vector(gamma, cols, op, "gamma");
+  check_row_stats(rstd, x, op, "rstd");
+  check_like_x(dx, x, op, "dx");
+  check_channel_vector(dgamma, cols, op, "dgamma");
+  check_on_device(ctx, op, {&dy, &x, &gamma, &rstd, &dx, &dgamma});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma);
+}
+
+}  // namespace tessera

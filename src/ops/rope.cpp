@@ -1,0 +1,53 @@
+#include "tessera/ops/rope.h"
+
+#include <cmath>
+
+#include "backend/cpu/rope.h"
+#include "dispatch.h"
+
+namespace tessera {
+namespace {
+
+void check_rope_arguments(const Tensor& in, const char* in_name, const Tensor& out, const char* out_name,
+                          const RopeOptions& options, const char* op) {
+  check_contiguous(in, op, in_name);
+  check_floating(in, op, in_name);
+  TESSERA_CHECK(in.dim() == 4, op, ": ", in_name, " must be 4-D [B, T, H, D], got ", in.describe());
+  TESSERA_CHECK(in.size(3) % 2 == 0, op, ": the head dimension D of ", in_name,
+                " must be even (pairs (i, i + D/2) rotate together), got ", in.describe());
+  check_contiguous(out, op, out_name);
+  check_floating(out, op, out_name);
+  check_shape(out, in.shape(), op, out_name);
+  TESSERA_CHECK(std::isfinite(options.theta) && options.theta > 0.0f, op, ": theta must be finite and > 0, got ",
+                options.theta);
+  TESSERA_CHECK(options.position_offset >= 0, op, ": position_offset must be >= 0, got ", options.position_offset);
+  // The kernel reads each pair before writing it, so the exact same memory is safe; a
+  // partial overlap would read values already rotated.
+  const int64_t in_begin = in.offset() * static_cast<int64_t>(dtype_size(in.dtype()));
+  const int64_t out_begin = out.offset() * static_cast<int64_t>(dtype_size(out.dtype()));
+  const int64_t in_end = in_begin + static_cast<int64_t>(in.nbytes());
+  const int64_t out_end = out_begin + static_cast<int64_t>(out.nbytes());
+  const bool overlap = in.shares_storage(out) && in_begin < out_end && out_begin < in_end;
+  TESSERA_CHECK(!overlap || (in_begin == out_begin && in.dtype() == out.dtype()), op, ": ", out_name,
+                " overlaps ", in_name, " without being the same tensor");
+}
+
+}  // namespace
+
+void rope_forward(Context& ctx, const Tensor& x, Tensor& y, const RopeOptions& options) {
+  const char* op = "rope_forward";
+  check_rope_arguments(x, "x", y, "y", options, op);
+  check_on_device(ctx, op, {&x, &y});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::rope_forward(x, y, options);
+}
+
+void rope_backward(Context& ctx, const Tensor& dy, Tensor& dx, const RopeOptions& options) {
+  const char* op = "rope_backward";
+  check_rope_arguments(dy, "dy", dx, "dx", options, op);
+  check_on_device(ctx, op, {&dy, &dx});
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  cpu::rope_backward(dy, dx, options);
+}
+
+}  // namespace tessera
