@@ -235,8 +235,18 @@ void Tensor::copy_from(const Tensor& src) {
   const size_t es = dtype_size(dtype_);
   char* dp = static_cast<char*>(d.raw_data());
   const char* sp = static_cast<const char*>(s.raw_data());
-  for_each_element(shape_, d.strides_, s.strides_,
-                   [&](int64_t dof, int64_t sof) { std::memcpy(dp + dof * es, sp + sof * es, es); });
+  if (dim() >= 2 && d.strides_.back() == 1 && s.strides_.back() == 1) {
+    // Rows are contiguous on both sides (e.g. splitting a fused QKV projection): copy row
+    // by row instead of element by element.
+    const int64_t row = shape_.back();
+    const Shape outer(shape_.begin(), shape_.end() - 1);
+    const Shape d_outer(d.strides_.begin(), d.strides_.end() - 1), s_outer(s.strides_.begin(), s.strides_.end() - 1);
+    for_each_element(outer, d_outer, s_outer,
+                     [&](int64_t dof, int64_t sof) { std::memcpy(dp + dof * es, sp + sof * es, row * es); });
+  } else {
+    for_each_element(shape_, d.strides_, s.strides_,
+                     [&](int64_t dof, int64_t sof) { std::memcpy(dp + dof * es, sp + sof * es, es); });
+  }
   if (!device_.is_cpu()) copy_from(d);
 }
 

@@ -1,0 +1,66 @@
+// TransformerLM: the decoder-only language model behind GPT-2 and Llama-3.
+//
+//   token embedding (+ learned positions for GPT-2) -> N TransformerLayers -> final norm
+//   -> LM head (tied to the embedding or its own weight) -> cross-entropy
+//
+// The head is evaluated in chunks of rows, and its backward runs inside the same loop, so
+// only one chunk of logits ([chunk, vocab]) exists at any time, never [B*T, vocab].
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "tessera/models/config.h"
+#include "tessera/nn/norm.h"
+#include "tessera/nn/transformer_layer.h"
+
+namespace tessera::models {
+
+class TransformerLM {
+ public:
+  TransformerLM(const ModelConfig& config, DType dtype = DType::F32, const nn::ParallelContext& parallel = {});
+
+  // Random initialisation (GPT-2 style: N(0, 0.02), residual projections scaled by
+  // 1/sqrt(2 * layers), norms at 1, biases at 0), from the Philox stream of `seed`.
+  void init(Context& ctx, uint64_t seed);
+
+  // Mean cross-entropy over the targets that are not `ignore_index`, and the gradients of
+  // every parameter ACCUMULATED (gradient accumulation is the caller's loop). `scale`
+  // multiplies the gradients (1 / micro-batches when accumulating).
+  double forward_backward(Context& ctx, const Tensor& inputs, const Tensor& targets, float scale = 1.0f);
+  // Mean loss only, no gradients.
+  double forward_loss(Context& ctx, const Tensor& inputs, const Tensor& targets);
+  // Logits [B, T, V] (F32) for all positions; for generation and `eval --dump-logits`.
+  Tensor logits(Context& ctx, const Tensor& inputs);
+
+  nn::ParameterList parameters();
+  int64_t num_parameters();
+  void zero_grad();
+  const ModelConfig& config() const { return config_; }
+  DType dtype() const { return dtype_; }
+
+  static constexpr int64_t kIgnoreIndex = -100;
+  static constexpr int64_t kHeadChunkRows = 1024;
+
+ private:
+  struct Saved {
+    std::vector<nn::TransformerLayer::Saved> layers;
+    nn::Norm::Saved final_norm;
+  };
+  Tensor embed(Context& ctx, const Tensor& inputs) const;                   // [B*T, C]
+  Tensor trunk_forward(Context& ctx, const Tensor& inputs, Saved& saved);  // final-norm output [B*T, C]
+  const nn::Parameter& head_weight() const { return config_.tie_embeddings ? token_embedding : lm_head; }
+  double head_loss(Context& ctx, const Tensor& h, const Tensor& targets, Tensor* d_h, float scale);
+
+  ModelConfig config_;
+  DType dtype_;
+
+ public:
+  nn::Parameter token_embedding;     // [V, C]
+  nn::Parameter position_embedding;  // [max_seq_len, C], GPT-2 only
+  std::vector<std::unique_ptr<nn::TransformerLayer>> layers;
+  nn::Norm final_norm;
+  nn::Parameter lm_head;  // [V, C], only when embeddings are untied
+};
+
+}  // namespace tessera::models

@@ -1,0 +1,30 @@
+// MLP: Linear -> GELU -> Linear (GPT-2) or Linear -> SwiGLU -> Linear (Llama). For SwiGLU the
+// first Linear produces [gate | up] side by side (2 * ffn outputs), the layout swiglu wants.
+#pragma once
+
+#include "tessera/nn/linear.h"
+
+namespace tessera::nn {
+
+enum class Activation { GELU, SwiGLU };
+
+class MLP {
+ public:
+  struct Saved {
+    Linear::Saved fc_in, proj_in;
+    Tensor h_pre;   // fc output, before the activation
+    Tensor d_h_pre; // filled by backward_input, consumed by backward_weight
+  };
+  MLP(const std::string& name, int64_t hidden, int64_t ffn, Activation activation, bool bias, DType dtype,
+      const ParallelContext& parallel = {});
+
+  Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;
+  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;
+  void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
+  void parameters(ParameterList& out);
+
+  Activation activation;
+  Linear fc, proj;
+};
+
+}  // namespace tessera::nn

@@ -1,0 +1,42 @@
+// Parameters, the parallel context, and the conventions every module follows.
+//
+// A module owns its Parameters and has explicit forward and backward passes:
+//   forward(ctx, x, saved)            -> output; fills `saved` with what backward needs
+//   backward_input(ctx, dy, saved)    -> gradient w.r.t. the input (dgrad)
+//   backward_weight(ctx, dy, saved)   -> accumulates into each Parameter's grad (wgrad)
+// Splitting dgrad from wgrad is what zero-bubble and DualPipe schedules need. The
+// `saved` struct belongs to the caller, so several micro-batches can be in flight.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tessera/core/context.h"
+#include "tessera/core/tensor.h"
+
+namespace tessera::nn {
+
+struct Parameter {
+  std::string name;      // Hugging Face-style dotted name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  Tensor value;          // master value (F32, or F64 for gradient checks)
+  Tensor grad;           // same shape and dtype; accumulated by backward_weight
+  bool weight_decay = true;  // false for norms and biases
+
+  Parameter() = default;
+  Parameter(std::string name_, const Shape& shape, DType dtype, bool decay, Device device = Device::cpu());
+  int64_t numel() const { return value.numel(); }
+};
+
+// Sizes and ranks of the parallel groups. Everything is 1 / 0 on a single device; every
+// module takes one so that none assumes it runs alone.
+struct ParallelContext {
+  int data_size = 1, data_rank = 0;
+  int tensor_size = 1, tensor_rank = 0;
+  int pipeline_size = 1, pipeline_rank = 0;
+  bool single_device() const { return data_size * tensor_size * pipeline_size == 1; }
+};
+
+// Collects pointers to parameters, so models can hand the optimizer one flat list.
+using ParameterList = std::vector<Parameter*>;
+
+}  // namespace tessera::nn

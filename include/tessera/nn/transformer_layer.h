@@ -1,0 +1,32 @@
+// TransformerLayer: pre-norm block, x + attn(norm1(x)), then + mlp(norm2(.)).
+#pragma once
+
+#include "tessera/models/config.h"
+#include "tessera/nn/attention.h"
+#include "tessera/nn/mlp.h"
+#include "tessera/nn/norm.h"
+
+namespace tessera::nn {
+
+class TransformerLayer {
+ public:
+  struct Saved {
+    Norm::Saved norm1, norm2;
+    SelfAttention::Saved attn;
+    MLP::Saved mlp;
+    Tensor d_x1;  // gradient at the residual between attention and MLP
+  };
+  TransformerLayer(const std::string& name, const models::ModelConfig& config, DType dtype,
+                   const ParallelContext& parallel = {});
+
+  Tensor forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const;  // [B*T, C]
+  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved);
+  void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
+  void parameters(ParameterList& out);
+
+  Norm norm1, norm2;
+  SelfAttention attn;
+  MLP mlp;
+};
+
+}  // namespace tessera::nn

@@ -1,0 +1,65 @@
+// Training run configuration: one YAML or JSON file, plus `--set key=value` overrides.
+//
+// Sections: model (ModelConfig keys), data, optimizer, training. Unknown keys and values
+// of the wrong type are errors that name the key (e.g. "training.batch_size").
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tessera/models/config.h"
+
+namespace tessera::train {
+
+struct DataConfig {
+  std::string path;                 // token file: llm.c shard (.bin) or Megatron prefix (.idx/.bin)
+  std::string text;                 // or a text file, tokenized on the fly with `tokenizer`
+  std::string tokenizer = "byte";   // "byte" or "gpt2" (then vocab + merges)
+  std::string vocab, merges;        // GPT-2 BPE files
+  double validation_fraction = 0.05;
+};
+
+struct OptimizerConfig {
+  double lr = 3e-4;
+  double min_lr_ratio = 0.1;   // cosine decays to lr * min_lr_ratio
+  int64_t warmup_steps = 100;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weight_decay = 0.1;   // not applied to norms and biases
+  double grad_clip = 1.0;      // global-norm clipping; 0 disables
+};
+
+struct TrainingConfig {
+  int64_t steps = 1000;
+  int64_t batch_size = 8;
+  int64_t seq_len = 128;
+  int64_t grad_accum = 1;         // micro-batches per step
+  int64_t eval_interval = 100;    // steps between validation losses; 0 disables
+  int64_t eval_batches = 10;
+  int64_t checkpoint_interval = 0;  // steps between checkpoints; 0: only at the end
+  int64_t log_interval = 10;
+  uint64_t seed = 1337;
+  std::string out_dir = "runs/train";
+  std::string device = "auto";    // auto, cpu, cuda
+  double max_minutes = 0;         // stop (and checkpoint) after this long; 0: no limit
+  std::string sample_prompt;      // printed with a sample at the end when non-empty
+  int64_t sample_tokens = 200;
+};
+
+struct RunConfig {
+  models::ModelConfig model;
+  DataConfig data;
+  OptimizerConfig optimizer;
+  TrainingConfig training;
+
+  static RunConfig from_json(const nlohmann::json& j);
+  nlohmann::json to_json() const;
+};
+
+// Reads YAML (or JSON, which is YAML) into JSON, then applies `key.path=value` overrides
+// whose values are parsed as YAML scalars (numbers, booleans, strings).
+nlohmann::json load_config_file(const std::string& path);
+void apply_override(nlohmann::json& config, const std::string& assignment);
+nlohmann::json yaml_text_to_json(const std::string& text, const std::string& source);
+
+}  // namespace tessera::train

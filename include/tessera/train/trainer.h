@@ -1,0 +1,41 @@
+// The training loop behind `tessera train`.
+//
+// Per step: zero gradients, `grad_accum` micro-batches of forward+backward, clip by global
+// norm, one AdamW update at the scheduled learning rate. Validation loss every
+// eval_interval steps on a fixed set of held-out batches; checkpoints every
+// checkpoint_interval steps and at the end; one JSON line of metrics per step in
+// OUT/metrics.jsonl; a live progress line with loss, tokens/s and ETA.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "tessera/data/tokenizer.h"
+#include "tessera/train/config.h"
+
+namespace tessera::train {
+
+struct TrainOptions {
+  bool resume = false;   // continue from OUT/checkpoints/latest when it exists
+  bool quiet = false;    // no progress line or summary (tests)
+  int64_t stop_after = 0;  // stop (with a checkpoint) after this many steps of this call; 0: run to the end
+};
+
+struct TrainResult {
+  int64_t step = 0;            // last step completed
+  double last_loss = 0;        // training loss of that step
+  double last_val_loss = NAN;  // the last validation loss measured, NaN if none
+  double tokens_per_second = 0;
+  std::string checkpoint;      // the last checkpoint written
+};
+
+TrainResult train(const RunConfig& config, const TrainOptions& options = {});
+
+// The tokenizer a config names ("byte", or "gpt2" with data.vocab and data.merges).
+std::unique_ptr<data::Tokenizer> make_tokenizer(const DataConfig& config);
+
+// Tokenizes a text file into an llm.c token shard (uint16, or uint32 when the vocabulary
+// needs it). Returns the number of tokens written.
+int64_t prepare_text(const std::string& text_path, const data::Tokenizer& tokenizer, const std::string& out_path);
+
+}  // namespace tessera::train

@@ -1,0 +1,172 @@
+#include "tessera/models/transformer_lm.h"
+
+#include <cmath>
+
+#include "tessera/core/random.h"
+#include "tessera/ops/elementwise.h"
+#include "tessera/ops/embedding.h"
+#include "tessera/ops/gemm.h"
+#include "tessera/ops/loss.h"
+
+namespace tessera::models {
+
+TransformerLM::TransformerLM(const ModelConfig& config, DType dtype, const nn::ParallelContext& parallel)
+    : config_((config.validate(), config)),
+      dtype_(dtype),
+      token_embedding("embed.weight", {config.vocab_size, config.hidden_size}, dtype, true),
+      final_norm("final_norm", config.is_gpt2() ? nn::NormKind::LayerNorm : nn::NormKind::RMSNorm, config.hidden_size,
+                 config.norm_eps, dtype) {
+  TESSERA_CHECK(dtype == DType::F32 || dtype == DType::F64, "TransformerLM: master weights must be f32 or f64, got ",
+                dtype_name(dtype));
+  if (config.is_gpt2())
+    position_embedding = nn::Parameter("pos_embed.weight", {config.max_seq_len, config.hidden_size}, dtype, true);
+  for (int64_t i = 0; i < config.num_layers; ++i)
+    layers.push_back(std::make_unique<nn::TransformerLayer>("layers." + std::to_string(i), config, dtype, parallel));
+  if (!config.tie_embeddings) lm_head = nn::Parameter("lm_head.weight", {config.vocab_size, config.hidden_size}, dtype, true);
+}
+
+nn::ParameterList TransformerLM::parameters() {
+  nn::ParameterList out{&token_embedding};
+  if (position_embedding.value.defined()) out.push_back(&position_embedding);
+  for (auto& layer : layers) layer->parameters(out);
+  final_norm.parameters(out);
+  if (lm_head.value.defined()) out.push_back(&lm_head);
+  return out;
+}
+
+int64_t TransformerLM::num_parameters() {
+  int64_t n = 0;
+  for (nn::Parameter* p : parameters()) n += p->numel();
+  return n;
+}
+
+void TransformerLM::zero_grad() {
+  for (nn::Parameter* p : parameters()) p->grad.fill_zero();
+}
+
+void TransformerLM::init(Context& ctx, uint64_t seed) {
+  const float residual_std = 0.02f / std::sqrt(2.0f * config_.num_layers);
+  uint64_t stream = 0;  // each parameter draws from its own offset of the seed's stream
+  for (nn::Parameter* p : parameters()) {
+    const bool is_norm = p->name.find("norm") != std::string::npos;
+    const bool is_bias = p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, ".bias") == 0;
+    const bool is_residual_proj = p->name.find(".proj.weight") != std::string::npos;
+    if (is_norm && !is_bias) {
+      Tensor ones = Tensor::empty(p->value.shape(), p->value.dtype());
+      for (int64_t i = 0; i < ones.numel(); ++i) ones.set_item(i, 1.0);
+      p->value.copy_from(ones);
+    } else if (is_bias) {
+      p->value.fill_zero();
+    } else {
+      fill_normal(ctx, p->value, 0.0f, is_residual_proj ? residual_std : 0.02f, seed, stream);
+    }
+    stream += static_cast<uint64_t>(p->numel());  // a fill of n normals uses n/2 counters: no overlap
+  }
+  zero_grad();
+}
+
+Tensor TransformerLM::embed(Context& ctx, const Tensor& inputs) const {
+  TESSERA_CHECK(inputs.dim() == 2, "TransformerLM: inputs must be [batch, seq] token ids, got ", inputs.describe());
+  const int64_t batch = inputs.size(0), seq = inputs.size(1);
+  TESSERA_CHECK(seq <= config_.max_seq_len, "TransformerLM: sequence length ", seq, " exceeds model.max_seq_len ",
+                config_.max_seq_len);
+  Tensor x = Tensor::empty({batch * seq, config_.hidden_size}, dtype_, ctx.device);
+  embedding_forward(ctx, inputs.reshape({batch * seq}), token_embedding.value, x);
+  if (position_embedding.value.defined()) {
+    Tensor pos = position_embedding.value.slice(0, 0, seq);
+    for (int64_t b = 0; b < batch; ++b) {
+      Tensor rows = x.slice(0, b * seq, (b + 1) * seq);
+      add(ctx, rows, pos, rows);
+    }
+  }
+  return x;
+}
+
+Tensor TransformerLM::trunk_forward(Context& ctx, const Tensor& inputs, Saved& saved) {
+  const int64_t batch = inputs.size(0), seq = inputs.size(1);
+  Tensor x = embed(ctx, inputs);
+  saved.layers.resize(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) x = layers[i]->forward(ctx, x, batch, seq, saved.layers[i]);
+  return final_norm.forward(ctx, x, saved.final_norm);
+}
+
+// Mean cross-entropy of h W^T against targets, chunk by chunk. With d_h, also writes the
+// gradient w.r.t. h and accumulates the head weight's gradient, both times `scale`.
+double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& targets, Tensor* d_h, float scale) {
+  const int64_t rows = h.size(0), vocab = config_.vocab_size;
+  const Tensor flat_targets = targets.reshape({rows});
+  // Counting the valid targets first lets every chunk scale its gradient by the global mean.
+  const Tensor host_targets = flat_targets.to(Device::cpu());
+  int64_t valid = 0;
+  for (int64_t i = 0; i < rows; ++i) valid += host_targets.item(i) != kIgnoreIndex;
+  if (valid == 0) {
+    if (d_h) d_h->fill_zero();
+    return 0.0;
+  }
+  const nn::Parameter& w = head_weight();
+  const DType stats = dtype_ == DType::F64 ? DType::F64 : DType::F32;
+  double loss = 0;
+  for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
+    const int64_t r1 = std::min(rows, r0 + kHeadChunkRows), n = r1 - r0;
+    const Tensor h_chunk = h.slice(0, r0, r1), t_chunk = flat_targets.slice(0, r0, r1);
+    int64_t chunk_valid = 0;
+    for (int64_t i = r0; i < r1; ++i) chunk_valid += host_targets.item(i) != kIgnoreIndex;
+    if (chunk_valid == 0) {
+      if (d_h) d_h->slice(0, r0, r1).fill_zero();
+      continue;
+    }
+    Tensor logits = Tensor::empty({n, vocab}, dtype_, ctx.device);
+    gemm(ctx, h_chunk, w.value, logits, {.transpose_b = true});
+    Tensor chunk_loss = Tensor::empty({1}, stats, ctx.device), lse = Tensor::empty({n}, stats, ctx.device);
+    cross_entropy_forward(ctx, logits, t_chunk, chunk_loss, lse, {.ignore_index = kIgnoreIndex});
+    const double weight = double(chunk_valid) / double(valid);
+    loss += chunk_loss.to(Device::cpu()).item(0) * weight;
+    if (!d_h) continue;
+    Tensor d_logits = Tensor::empty({n, vocab}, dtype_, ctx.device);
+    cross_entropy_backward(ctx, logits, t_chunk, lse, static_cast<float>(weight * scale), d_logits,
+                           {.ignore_index = kIgnoreIndex});
+    Tensor d_h_chunk = d_h->slice(0, r0, r1);
+    gemm(ctx, d_logits, w.value, d_h_chunk);                                                    // dh = dlogits W
+    gemm(ctx, d_logits, h_chunk, const_cast<nn::Parameter&>(w).grad, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
+  }
+  return loss;
+}
+
+double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const Tensor& targets, float scale) {
+  TESSERA_CHECK(targets.shape() == inputs.shape(), "TransformerLM: targets ", targets.describe(), " must match inputs ",
+                inputs.describe());
+  const int64_t batch = inputs.size(0), seq = inputs.size(1);
+  Saved saved;
+  const Tensor h = trunk_forward(ctx, inputs, saved);
+  Tensor d = Tensor::empty(h.shape(), dtype_, ctx.device);
+  const double loss = head_loss(ctx, h, targets, &d, scale);
+  d = final_norm.backward_input(ctx, d, saved.final_norm);
+  for (size_t i = layers.size(); i-- > 0;) {
+    const Tensor dy = d;
+    d = layers[i]->backward_input(ctx, dy, saved.layers[i]);
+    layers[i]->backward_weight(ctx, dy, saved.layers[i]);
+  }
+  const Tensor ids = inputs.reshape({batch * seq});
+  embedding_backward(ctx, ids, d, token_embedding.grad);
+  if (position_embedding.value.defined()) {
+    Tensor positions = Tensor::empty({batch * seq}, DType::I32);
+    for (int64_t i = 0; i < batch * seq; ++i) positions.data<int32_t>()[i] = static_cast<int32_t>(i % seq);
+    embedding_backward(ctx, positions.to(ctx.device), d, position_embedding.grad);
+  }
+  return loss;
+}
+
+double TransformerLM::forward_loss(Context& ctx, const Tensor& inputs, const Tensor& targets) {
+  Saved saved;
+  return head_loss(ctx, trunk_forward(ctx, inputs, saved), targets, nullptr, 1.0f);
+}
+
+Tensor TransformerLM::logits(Context& ctx, const Tensor& inputs) {
+  Saved saved;
+  const Tensor h = trunk_forward(ctx, inputs, saved);
+  Tensor out = Tensor::empty({h.size(0), config_.vocab_size}, DType::F32, ctx.device);
+  gemm(ctx, h, head_weight().value, out, {.transpose_b = true});
+  return out.reshape({inputs.size(0), inputs.size(1), config_.vocab_size});
+}
+
+}  // namespace tessera::models

@@ -1,0 +1,39 @@
+#include "tessera/nn/mlp.h"
+
+#include "tessera/ops/activation.h"
+
+namespace tessera::nn {
+
+MLP::MLP(const std::string& name, int64_t hidden, int64_t ffn, Activation act, bool bias, DType dtype,
+         const ParallelContext& parallel)
+    : activation(act),
+      fc(name + ".fc", hidden, act == Activation::SwiGLU ? 2 * ffn : ffn, bias, dtype, parallel),
+      proj(name + ".proj", ffn, hidden, bias, dtype, parallel) {}
+
+Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
+  saved.h_pre = fc.forward(ctx, x, saved.fc_in);
+  Tensor h = Tensor::empty({x.size(0), proj.in_features()}, x.dtype(), ctx.device);
+  if (activation == Activation::GELU) gelu_forward(ctx, saved.h_pre, h);
+  else swiglu_forward(ctx, saved.h_pre, h);
+  return proj.forward(ctx, h, saved.proj_in);
+}
+
+Tensor MLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
+  const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
+  saved.d_h_pre = Tensor::empty(saved.h_pre.shape(), dy.dtype(), ctx.device);
+  if (activation == Activation::GELU) gelu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
+  else swiglu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
+  return fc.backward_input(ctx, saved.d_h_pre, saved.fc_in);
+}
+
+void MLP::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+  proj.backward_weight(ctx, dy, saved.proj_in);
+  fc.backward_weight(ctx, saved.d_h_pre, saved.fc_in);
+}
+
+void MLP::parameters(ParameterList& out) {
+  fc.parameters(out);
+  proj.parameters(out);
+}
+
+}  // namespace tessera::nn

@@ -1,0 +1,52 @@
+#include "tessera/nn/transformer_layer.h"
+
+#include "tessera/ops/elementwise.h"
+
+namespace tessera::nn {
+
+namespace {
+AttentionConfig attention_config(const models::ModelConfig& c) {
+  return {.hidden = c.hidden_size, .num_heads = c.num_heads, .num_kv_heads = c.num_kv_heads, .bias = c.is_gpt2(),
+          .rope = !c.is_gpt2(), .rope_theta = c.rope_theta, .causal = true};
+}
+NormKind norm_kind(const models::ModelConfig& c) { return c.is_gpt2() ? NormKind::LayerNorm : NormKind::RMSNorm; }
+
+Tensor sum(Context& ctx, const Tensor& a, const Tensor& b) {
+  Tensor out = Tensor::empty(a.shape(), a.dtype(), ctx.device);
+  add(ctx, a, b, out);
+  return out;
+}
+}  // namespace
+
+TransformerLayer::TransformerLayer(const std::string& name, const models::ModelConfig& c, DType dtype,
+                                   const ParallelContext& parallel)
+    : norm1(name + ".norm1", norm_kind(c), c.hidden_size, c.norm_eps, dtype),
+      norm2(name + ".norm2", norm_kind(c), c.hidden_size, c.norm_eps, dtype),
+      attn(name + ".attn", attention_config(c), dtype, parallel),
+      mlp(name + ".mlp", c.hidden_size, c.ffn_size(), c.is_gpt2() ? Activation::GELU : Activation::SwiGLU, c.is_gpt2(),
+          dtype, parallel) {}
+
+Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const {
+  const Tensor x1 = sum(ctx, x, attn.forward(ctx, norm1.forward(ctx, x, saved.norm1), batch, seq, saved.attn));
+  return sum(ctx, x1, mlp.forward(ctx, norm2.forward(ctx, x1, saved.norm2), saved.mlp));
+}
+
+Tensor TransformerLayer::backward_input(Context& ctx, const Tensor& dy, Saved& saved) {
+  // The residual passes dy straight through; each branch adds its own input gradient.
+  saved.d_x1 = sum(ctx, dy, norm2.backward_input(ctx, mlp.backward_input(ctx, dy, saved.mlp), saved.norm2));
+  return sum(ctx, saved.d_x1, norm1.backward_input(ctx, attn.backward_input(ctx, saved.d_x1, saved.attn), saved.norm1));
+}
+
+void TransformerLayer::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+  mlp.backward_weight(ctx, dy, saved.mlp);
+  attn.backward_weight(ctx, saved.d_x1, saved.attn);
+}
+
+void TransformerLayer::parameters(ParameterList& out) {
+  norm1.parameters(out);
+  attn.parameters(out);
+  norm2.parameters(out);
+  mlp.parameters(out);
+}
+
+}  // namespace tessera::nn

@@ -1,0 +1,159 @@
+// The training loop end to end on a tiny model: loss falls, resume is bit-identical,
+// configs and data are validated, checkpoints are atomic and architecture-checked.
+#include "tessera/train/trainer.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "tessera/io/atomic_file.h"
+#include "tessera/train/checkpoint.h"
+#include "testing.h"
+
+using namespace tessera;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string temp_dir(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("tessera_trainer_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir.string();
+}
+
+std::string write_text(const std::string& dir, size_t repeats) {
+  std::string text;
+  for (size_t i = 0; i < repeats; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + ". ";
+  const std::string path = dir + "/corpus.txt";
+  io::write_file_atomically(path, text);
+  return path;
+}
+
+std::vector<double> losses(const std::string& dir) {
+  std::vector<double> out;
+  std::ifstream in(dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+}  // namespace
+
+static nlohmann::json make_config(const std::string& dir, const std::string& text) {
+  nlohmann::json j = nlohmann::json::parse(R"({
+    "model": {"architecture": "llama", "vocab_size": 257, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2, "intermediate_size": 48, "max_seq_len": 32, "rope_theta": 10000},
+    "data": {"tokenizer": "byte", "validation_fraction": 0.1},
+    "optimizer": {"lr": 0.01, "warmup_steps": 2},
+    "training": {"steps": 8, "batch_size": 4, "seq_len": 16, "eval_interval": 4, "eval_batches": 2, "grad_accum": 2}
+  })");
+  j["data"]["text"] = text;
+  j["training"]["out_dir"] = dir;
+  return j;
+}
+
+TEST(Trainer, LossFallsAndCheckpointsAreWritten) {
+  const std::string dir = temp_dir("falls");
+  const std::string text = write_text(dir, 400);
+  nlohmann::json j = make_config(dir, text);
+  j["training"]["steps"] = 30;
+  const train::TrainResult r = train::train(train::RunConfig::from_json(j), {.quiet = true});
+  const std::vector<double> l = losses(dir);
+  ASSERT_EQ(l.size(), 30u);
+  EXPECT_LT(l.back(), l.front() * 0.7) << "first " << l.front() << " last " << l.back();
+  EXPECT_TRUE(std::isfinite(r.last_val_loss));
+  ASSERT_TRUE(train::latest_checkpoint(dir).has_value());
+  EXPECT_TRUE(fs::exists(*train::latest_checkpoint(dir) + "/model.safetensors"));
+}
+
+TEST(Trainer, ResumeIsBitIdentical) {
+  const std::string straight = temp_dir("straight"), halves = temp_dir("halves");
+  const std::string text = write_text(straight, 300);
+  train::train(train::RunConfig::from_json(make_config(straight, text)), {.quiet = true});
+  const train::RunConfig split = train::RunConfig::from_json(make_config(halves, text));
+  train::train(split, {.quiet = true, .stop_after = 4});
+  EXPECT_EQ(losses(halves).size(), 4u);
+  train::train(split, {.resume = true, .quiet = true});
+  const std::vector<double> a = losses(straight), b = losses(halves);
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 8u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+}
+
+TEST(Trainer, DatasetShorterThanOneBatchIsAClearError) {
+  const std::string dir = temp_dir("short");
+  const std::string text = write_text(dir, 1);  // ~50 bytes: fewer than 4 x 16 + 1 tokens
+  try {
+    train::train(train::RunConfig::from_json(make_config(dir, text)), {.quiet = true});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Trainer, BadConfigsNameTheKey) {
+  const std::string dir = temp_dir("badcfg");
+  auto message = [&](nlohmann::json j) {
+    try {
+      train::RunConfig::from_json(j);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  nlohmann::json j = make_config(dir, "x");
+  j["training"]["batchsize"] = 3;
+  EXPECT_NE(message(j).find("training.batchsize"), std::string::npos);
+  j = make_config(dir, "x");
+  j["training"]["batch_size"] = "four";
+  EXPECT_NE(message(j).find("training.batch_size"), std::string::npos);
+  j = make_config(dir, "x");
+  j["training"]["seq_len"] = 64;  // > model.max_seq_len
+  EXPECT_NE(message(j).find("training.seq_len"), std::string::npos);
+  j = make_config(dir, "x");
+  j["optimizer"]["lr"] = -1;
+  EXPECT_NE(message(j).find("optimizer.lr"), std::string::npos);
+  j = make_config(dir, "x");
+  j["model"]["num_heads"] = 5;
+  EXPECT_NE(message(j).find("num_heads"), std::string::npos);
+}
+
+TEST(Trainer, OverridesParseAsYamlScalars) {
+  nlohmann::json j = nlohmann::json::object();
+  train::apply_override(j, "training.steps=12");
+  train::apply_override(j, "optimizer.lr=3e-4");
+  train::apply_override(j, "training.out_dir=runs/x");
+  train::apply_override(j, "model.tie_embeddings=false");
+  EXPECT_EQ(j["training"]["steps"], 12);
+  EXPECT_DOUBLE_EQ(j["optimizer"]["lr"].get<double>(), 3e-4);
+  EXPECT_EQ(j["training"]["out_dir"], "runs/x");
+  EXPECT_EQ(j["model"]["tie_embeddings"], false);
+  EXPECT_THROW(train::apply_override(j, "noequals"), Error);
+  EXPECT_THROW(train::apply_override(j, "training.steps.deeper=1"), Error);
+}
+
+TEST(Trainer, CheckpointOfAnotherArchitectureIsRefused) {
+  const std::string dir = temp_dir("arch");
+  const std::string text = write_text(dir, 300);
+  nlohmann::json j = make_config(dir, text);
+  j["training"]["steps"] = 2;
+  train::train(train::RunConfig::from_json(j), {.quiet = true});
+  const std::string ckpt = *train::latest_checkpoint(dir);
+  const std::string before = io::read_file(ckpt + "/model.safetensors");
+  j["model"]["architecture"] = "gpt2";
+  j["model"]["num_kv_heads"] = 4;
+  EXPECT_THROW(train::train(train::RunConfig::from_json(j), {.resume = true, .quiet = true}), Error);
+  EXPECT_EQ(io::read_file(ckpt + "/model.safetensors"), before);  // nothing overwritten
+}
+
+TEST(Trainer, CorruptCheckpointIsAClearError) {
+  const std::string dir = temp_dir("corrupt");
+  const std::string text = write_text(dir, 300);
+  nlohmann::json j = make_config(dir, text);
+  j["training"]["steps"] = 2;
+  train::train(train::RunConfig::from_json(j), {.quiet = true});
+  const std::string model_file = *train::latest_checkpoint(dir) + "/model.safetensors";
+  const std::string bytes = io::read_file(model_file);
+  io::write_file_atomically(model_file, bytes.substr(0, bytes.size() / 2));
+  EXPECT_THROW(train::train(train::RunConfig::from_json(j), {.resume = true, .quiet = true}), Error);
+}
