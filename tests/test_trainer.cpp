@@ -157,3 +157,21 @@ TEST(Trainer, CorruptCheckpointIsAClearError) {
   io::write_file_atomically(model_file, bytes.substr(0, bytes.size() / 2));
   EXPECT_THROW(train::train(train::RunConfig::from_json(j), {.resume = true, .quiet = true}), Error);
 }
+
+TEST(Trainer, InitFromAnotherRunsCheckpointStartsFromItsWeights) {
+  const std::string first = temp_dir("init_a"), second = temp_dir("init_b");
+  const std::string text = write_text(first, 300);
+  nlohmann::json j = make_config(first, text);
+  j["training"]["steps"] = 6;
+  train::train(train::RunConfig::from_json(j), {.quiet = true});
+  const double trained = losses(first).back();
+  nlohmann::json k = make_config(second, text);
+  k["training"]["steps"] = 1;
+  k["training"]["init_from"] = first;
+  train::train(train::RunConfig::from_json(k), {.quiet = true});
+  // The first step of the fine-tune starts from trained weights, not from the random init.
+  EXPECT_LT(losses(second).front(), losses(first).front());
+  EXPECT_NEAR(losses(second).front(), trained, 0.5);
+  k["training"]["init_from"] = second + "/nothing-here";
+  EXPECT_THROW(train::train(train::RunConfig::from_json(k), {.quiet = true}), Error);
+}

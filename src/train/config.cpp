@@ -56,6 +56,12 @@ template <typename T>
 void read(const nlohmann::json& section, const std::string& prefix, const char* key, T& out) {
   if (!section.contains(key)) return;
   const nlohmann::json& v = section.at(key);
+  if constexpr (std::is_same_v<T, std::string>) {
+    if (v.is_null()) {  // `key:` with no value, or `--set key=`
+      out.clear();
+      return;
+    }
+  }
   bool ok = true;
   if constexpr (std::is_same_v<T, std::string>) ok = v.is_string();
   else if constexpr (std::is_same_v<T, bool>) ok = v.is_boolean();
@@ -145,7 +151,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     const auto& t = j.at("training");
     check_keys(t, "training", {"steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches",
                                "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "max_minutes",
-                               "sample_prompt", "sample_tokens"});
+                               "sample_prompt", "sample_tokens", "init_from"});
     read(t, "training.", "steps", c.training.steps);
     read(t, "training.", "batch_size", c.training.batch_size);
     read(t, "training.", "seq_len", c.training.seq_len);
@@ -159,6 +165,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     read(t, "training.", "device", c.training.device);
     read(t, "training.", "max_minutes", c.training.max_minutes);
     read(t, "training.", "sample_prompt", c.training.sample_prompt);
+    read(t, "training.", "init_from", c.training.init_from);
     read(t, "training.", "sample_tokens", c.training.sample_tokens);
   }
   // Values that parse but make no sense.
@@ -194,7 +201,7 @@ nlohmann::json RunConfig::to_json() const {
                         {"eval_batches", training.eval_batches}, {"checkpoint_interval", training.checkpoint_interval},
                         {"log_interval", training.log_interval}, {"seed", training.seed}, {"out_dir", training.out_dir},
                         {"device", training.device}, {"max_minutes", training.max_minutes},
-                        {"sample_prompt", training.sample_prompt}, {"sample_tokens", training.sample_tokens}}}};
+                        {"init_from", training.init_from}, {"sample_prompt", training.sample_prompt}, {"sample_tokens", training.sample_tokens}}}};
 }
 
 }  // namespace tessera::train

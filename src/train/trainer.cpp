@@ -12,6 +12,7 @@
 #include "tessera/data/token_file.h"
 #include "tessera/infer/generate.h"
 #include "tessera/io/atomic_file.h"
+#include "tessera/models/hf_convert.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/train/checkpoint.h"
 #include "tessera/train/optimizer.h"
@@ -103,13 +104,36 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   model.init(ctx, t.seed);
   Optimizer optimizer(model.parameters(), c.optimizer);
   int64_t step = 0;
+  bool resumed = false;
   if (options.resume) {
     if (auto dir = latest_checkpoint(t.out_dir)) {
       const CheckpointState state = load_checkpoint(*dir, model, &optimizer);
       step = state.step;
       train_loader.load_state(state.data_position);
+      resumed = true;
       if (!options.quiet) std::printf("train: resumed from %s at step %lld\n", dir->c_str(), static_cast<long long>(step));
     }
+  }
+
+  if (!resumed && !t.init_from.empty()) {
+    // Fine-tuning: weights from a Hugging Face directory or a tessera checkpoint, fresh
+    // optimizer state and data position.
+    // A Hugging Face directory has a config.json with "model_type"; a tessera run directory
+    // has a config.json too (the run config), but with sections instead.
+    const fs::path hf_config = fs::path(t.init_from) / "config.json";
+    if (fs::exists(hf_config) && nlohmann::json::parse(io::read_file(hf_config.string()), nullptr, false).contains("model_type")) {
+      models::load_hf_model(t.init_from, model);
+    } else {
+      std::string dir = t.init_from;
+      if (!fs::exists(fs::path(dir) / "state.json")) {
+        auto latest = latest_checkpoint(dir);
+        TESSERA_CHECK(latest.has_value(), "training.init_from: '", dir, "' is neither a Hugging Face model directory ",
+                      "(config.json), a checkpoint (state.json) nor a run directory");
+        dir = *latest;
+      }
+      load_checkpoint(dir, model, nullptr);
+    }
+    if (!options.quiet) std::printf("train: initialised from %s\n", t.init_from.c_str());
   }
 
   std::ofstream metrics(fs::path(t.out_dir) / "metrics.jsonl", step > 0 ? std::ios::app : std::ios::trunc);

@@ -42,6 +42,7 @@ struct TrainingConfig {
   std::string out_dir = "runs/train";
   std::string device = "auto";    // auto, cpu, cuda
   double max_minutes = 0;         // stop (and checkpoint) after this long; 0: no limit
+  std::string init_from;          // start from these weights: a tessera checkpoint or run dir, or a Hugging Face dir
   std::string sample_prompt;      // printed with a sample at the end when non-empty
   int64_t sample_tokens = 200;
 };
