@@ -91,7 +91,7 @@ inline MxReference reference_mxfp8(const std::vector<float>& x, int64_t rows, in
         bad |= !std::isfinite(x[r * cols + c]);
         amax = std::max(amax, std::fabs(static_cast<double>(x[r * cols + c])));
       }
-      int exponent = amax > 0 ? static_cast<int>(std::floor(std::log2(amax))) - emax : -127;
+      int exponent = (amax > 0 && !bad) ? static_cast<int>(std::floor(std::log2(amax))) - emax : -127;
       exponent = std::clamp(exponent, -127, 127);
       ref.scales[r * per_row + b] = bad ? 0xFF : static_cast<uint8_t>(exponent + 127);
       const float multiplier = bad ? 1.0f : static_cast<float>(std::ldexp(1.0, -exponent));

@@ -83,3 +83,14 @@ TEST(GpuCore, OutOfMemoryIsAClearError) {
   EXPECT_EQ(still_works.to_doubles()[0], 0.0);
 }
 #endif
+
+TEST(GpuCore, StridedCopiesIntoAndOutOfTheDevice) {
+  REQUIRE_GPU();
+  Tensor x = random_tensor({6, 10}, DType::F32, 3);
+  Tensor dev = Tensor::zeros({6, 10}, DType::F32, Device::cuda());
+  dev.slice(1, 2, 7).copy_from(x.slice(1, 2, 7));  // strided destination on the device
+  Tensor want = Tensor::zeros({6, 10}, DType::F32);
+  want.slice(1, 2, 7).copy_from(x.slice(1, 2, 7));
+  EXPECT_EQ(bytes_of(dev), bytes_of(want));
+  EXPECT_EQ(bytes_of(dev.transpose(0, 1).to(Device::cpu())), bytes_of(want.transpose(0, 1).contiguous()));
+}

@@ -230,8 +230,10 @@ void Tensor::copy_from(const Tensor& src) {
     return;
   }
   // Strided copies go through the host: fine for tools and tests, never used in a step.
-  const Tensor s = src.device_.is_cpu() ? src : src.to(Device::cpu());
-  Tensor d = device_.is_cpu() ? *this : Tensor::empty(shape_, dtype_);
+  // A strided device view travels as the byte range it spans, viewed with its strides on
+  // the host; a device destination is read, written on the host and sent back the same way.
+  const Tensor s = src.device_.is_cpu() ? src : src.host_span_view();
+  Tensor d = device_.is_cpu() ? *this : host_span_view();
   const size_t es = dtype_size(dtype_);
   char* dp = static_cast<char*>(d.raw_data());
   const char* sp = static_cast<const char*>(s.raw_data());
@@ -247,7 +249,21 @@ void Tensor::copy_from(const Tensor& src) {
     for_each_element(shape_, d.strides_, s.strides_,
                      [&](int64_t dof, int64_t sof) { std::memcpy(dp + dof * es, sp + sof * es, es); });
   }
-  if (!device_.is_cpu()) copy_from(d);
+  if (!device_.is_cpu()) copy_bytes(raw_data(), device_, d.raw_data(), Device::cpu(), span_elements() * es);
+}
+
+int64_t Tensor::span_elements() const {
+  int64_t span = 1;
+  for (int i = 0; i < dim(); ++i) span += (shape_[i] - 1) * strides_[i];
+  return span;
+}
+
+Tensor Tensor::host_span_view() const {
+  Tensor host = Tensor::empty({span_elements()}, dtype_);
+  copy_bytes(host.raw_data(), Device::cpu(), raw_data(), device_, static_cast<size_t>(span_elements()) * dtype_size(dtype_));
+  host.shape_ = shape_;
+  host.strides_ = strides_;
+  return host;
 }
 
 Tensor Tensor::clone() const {
@@ -263,7 +279,7 @@ Tensor Tensor::to(Device device) const {
   check_defined(*this, "Tensor::to", "tensor");
   if (device == device_) return *this;
   Tensor t = empty(shape_, dtype_, device);
-  t.copy_from(contiguous());
+  t.copy_from(*this);
   return t;
 }
 

@@ -88,6 +88,9 @@ class Tensor {
   void set_item(int64_t flat_index, double value);
 
  private:
+  int64_t span_elements() const;   // elements from the first to the last of this view (non-empty)
+  Tensor host_span_view() const;   // a CPU copy of that span, viewed with this shape and strides
+
   std::shared_ptr<Storage> storage_;
   int64_t offset_ = 0;
   Shape shape_;
