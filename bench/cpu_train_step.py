@@ -55,6 +55,9 @@ def torch_step_time(args, threads):
             return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
     model = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
+    for p in model.parameters():  # GPT-2's init, as tessera's, so both start near ln V
+        if p.dim() >= 2:
+            nn.init.normal_(p, 0.0, 0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq))
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq))

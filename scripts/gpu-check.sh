@@ -29,6 +29,8 @@ done
 
 log "tests with PyTorch / transformers references"
 (cd build-gpu && ctest -R "HfConvert|Python" --output-on-failure 2>&1 | tail -8)
+build-gpu/test_hf_convert --gtest_filter='*Transformers*' 2>&1 | tail -4
 
 log "CPU benchmark: tessera vs PyTorch eager, one training step (host CPU)"
 python3 bench/cpu_train_step.py --build build-gpu 2>&1 | tee "$out/bench-cpu-train-step.log"
+OMP_NUM_THREADS=2 python3 bench/cpu_train_step.py --build build-gpu 2>&1 | tail -1 | tee -a "$out/bench-cpu-train-step.log"
