@@ -23,7 +23,8 @@ log "GPU tests"
 
 log "compute-sanitizer (memcheck, racecheck) on the GPU tests"
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/test_gpu_core > "$out/sanitizer-$tool.log" 2>&1
+  # The out-of-memory test provokes a failed cudaMalloc on purpose, which memcheck reports.
+  compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/test_gpu_core --gtest_filter=-*OutOfMemory* > "$out/sanitizer-$tool.log" 2>&1
   echo "$tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer-$tool.log") clean summaries)"
 done
 
