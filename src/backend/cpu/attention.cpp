@@ -183,8 +183,26 @@ void backward_impl(const Tensor& d_out_t, const Tensor& q_t, const Tensor& k_t, 
 
 }  // namespace
 
+// The BLAS path (attention_blas.cpp) serves the common training case: every tensor F32.
+static bool all_f32(std::initializer_list<const Tensor*> tensors) {
+#if TESSERA_WITH_BLAS
+  for (const Tensor* t : tensors)
+    if (t->dtype() != DType::F32) return false;
+  return true;
+#else
+  (void)tensors;
+  return false;
+#endif
+}
+
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, bool causal,
                        double scale) {
+#if TESSERA_WITH_BLAS
+  if (all_f32({&q, &k, &v, &out, &lse}) && q.numel() > 0 && k.size(1) > 0) {
+    attention_forward_blas(q, k, v, out, lse, causal, static_cast<float>(scale));
+    return;
+  }
+#endif
   dispatch_compute_type(q.dtype(), [&](auto zero) {
     using T = decltype(zero);
     forward_impl<T>(q, k, v, out, lse, causal, scale);
@@ -193,6 +211,12 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
 
 void attention_backward(const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool causal, double scale) {
+#if TESSERA_WITH_BLAS
+  if (all_f32({&d_out, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) && q.numel() > 0 && k.size(1) > 0) {
+    attention_backward_blas(d_out, q, k, v, out, lse, dq, dk, dv, causal, static_cast<float>(scale));
+    return;
+  }
+#endif
   dispatch_compute_type(q.dtype(), [&](auto zero) {
     using T = decltype(zero);
     backward_impl<T>(d_out, q, k, v, out, lse, dq, dk, dv, causal, scale);
