@@ -30,6 +30,15 @@ struct Shape4 {
   const float* kv_head(const float* k, int64_t b, int64_t kvh) const { return k + (b * S * Hkv + kvh) * D; }
 };
 
+// With OpenBLAS's OpenMP build, an SGEMM called inside a parallel region runs on its
+// caller's thread, so tasks go to OpenMP threads. Its pthread build would start its own
+// threads inside every task (cores x cores threads), so there the tasks run one after
+// another and each SGEMM uses the BLAS threads.
+bool parallel_tasks() {
+  static const bool openmp_blas = openblas_get_parallel() != 1;
+  return openmp_blas;
+}
+
 Shape4 shape_of(const Tensor& q, const Tensor& k, bool causal) {
   return {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), q.size(2) / k.size(2), causal};
 }
@@ -53,7 +62,7 @@ void attention_forward_blas(const Tensor& q_t, const Tensor& k_t, const Tensor& 
   const float *q = q_t.data<float>(), *k = k_t.data<float>(), *v = v_t.data<float>();
   float *out = out_t.data<float>(), *lse = lse_t.data<float>();
   const int64_t blocks = (s.T + kBlock - 1) / kBlock;
-#pragma omp parallel
+#pragma omp parallel if (parallel_tasks())
   {
     std::vector<float> scores(static_cast<size_t>(kBlock * std::max<int64_t>(s.S, 1)));
 #pragma omp for schedule(dynamic)
@@ -85,7 +94,7 @@ void attention_backward_blas(const Tensor& d_out_t, const Tensor& q_t, const Ten
   const float *d_out = d_out_t.data<float>(), *lse = lse_t.data<float>();
   float *dq = dq_t.data<float>(), *dk = dk_t.data<float>(), *dv = dv_t.data<float>();
   const int64_t ld_q = s.Hq * s.D, ld_kv = s.Hkv * s.D;
-#pragma omp parallel
+#pragma omp parallel if (parallel_tasks())
   {
     std::vector<float> p(static_cast<size_t>(kBlock * std::max<int64_t>(s.S, 1))), dp(p.size()), delta(kBlock);
 #pragma omp for schedule(dynamic)
