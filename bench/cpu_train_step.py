@@ -36,7 +36,13 @@ def torch_step_time(args, threads):
             b, t, c = x.shape
             q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
             q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+            if hasattr(F, "scaled_dot_product_attention"):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # PyTorch 1.x (Debian bookworm's python3-torch): the same attention, unfused
+                scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+                mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+                y = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+            y = y.transpose(1, 2).reshape(b, t, c)
             x = x + self.proj(y)
             return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
