@@ -103,7 +103,7 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
     if (d_h) d_h->fill_zero();
     return 0.0;
   }
-  const nn::Parameter& w = head_weight();
+  nn::Parameter& w = head_weight();
   const DType stats = dtype_ == DType::F64 ? DType::F64 : DType::F32;
   double loss = 0;
   for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
@@ -127,7 +127,7 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
                            {.ignore_index = kIgnoreIndex});
     Tensor d_h_chunk = d_h->slice(0, r0, r1);
     gemm(ctx, d_logits, w.value, d_h_chunk);                                                    // dh = dlogits W
-    gemm(ctx, d_logits, h_chunk, const_cast<nn::Parameter&>(w).grad, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
+    gemm(ctx, d_logits, h_chunk, w.grad, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
   }
   return loss;
 }

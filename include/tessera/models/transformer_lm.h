@@ -49,7 +49,7 @@ class TransformerLM {
   };
   Tensor embed(Context& ctx, const Tensor& inputs) const;                   // [B*T, C]
   Tensor trunk_forward(Context& ctx, const Tensor& inputs, Saved& saved);  // final-norm output [B*T, C]
-  const nn::Parameter& head_weight() const { return config_.tie_embeddings ? token_embedding : lm_head; }
+  nn::Parameter& head_weight() { return config_.tie_embeddings ? token_embedding : lm_head; }
   double head_loss(Context& ctx, const Tensor& h, const Tensor& targets, Tensor* d_h, float scale);
 
   ModelConfig config_;
