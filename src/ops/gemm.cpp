@@ -4,6 +4,9 @@
 
 #include "backend/cpu/gemm.h"
 #include "dispatch.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace tessera {
 namespace {
@@ -55,7 +58,16 @@ void gemm(Context& ctx, const Tensor& a, const Tensor& b, Tensor& c, const GemmO
   TESSERA_CHECK(!memory_overlaps(c, a) && !memory_overlaps(c, b) && !memory_overlaps(c, bias), op,
                 ": c ", c.describe(), " overlaps an input in memory");
   check_on_device(ctx, op, {&a, &b, &c, &bias});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::gemm_supported(a, b, c, bias)) {
+      cuda::gemm(ctx.stream, a, b, c, options.transpose_a, options.transpose_b,
+                 options.alpha * options.a_scale_inv * options.b_scale_inv, options.beta, bias);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::gemm(a, b, c, options, bias);
 }
 

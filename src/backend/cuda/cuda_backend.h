@@ -20,6 +20,11 @@ void fill_uniform(void* stream, Tensor& out, float low, float high, uint64_t see
 void fill_normal(void* stream, Tensor& out, float mean, float std, uint64_t seed, uint64_t offset);
 void cast(void* stream, const Tensor& in, Tensor& out);
 
+// cuBLASLt GEMM (backend/cuda/gemm.cu); gemm_supported says whether the dtypes have a path.
+bool gemm_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias);
+void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transpose_a, bool transpose_b, float alpha,
+          float beta, const Tensor& bias);
+
 // Allocator statistics, for tests and the benchmark reports.
 struct AllocatorStats {
   size_t bytes_in_use = 0;
