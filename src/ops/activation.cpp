@@ -2,6 +2,9 @@
 
 #include "backend/cpu/activation.h"
 #include "dispatch.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace tessera {
 namespace {
@@ -29,7 +32,15 @@ void gelu_forward(Context& ctx, const Tensor& x, Tensor& y) {
   check_operand(y, op, "y");
   check_shape(y, x.shape(), op, "y");
   check_on_device(ctx, op, {&x, &y});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::elementwise_supported({&x, &y})) {
+      cuda::gelu_forward(ctx.stream, x, y);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::gelu_forward(x, y);
 }
 
@@ -41,7 +52,15 @@ void gelu_backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& dx) 
   check_shape(dy, x.shape(), op, "dy");
   check_shape(dx, x.shape(), op, "dx");
   check_on_device(ctx, op, {&x, &dy, &dx});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::elementwise_supported({&x, &dy, &dx})) {
+      cuda::gelu_backward(ctx.stream, x, dy, dx);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::gelu_backward(x, dy, dx);
 }
 
@@ -51,7 +70,15 @@ void swiglu_forward(Context& ctx, const Tensor& x, Tensor& y) {
   check_operand(y, op, "y");
   check_shape(y, swiglu_output_shape(x, op), op, "y");
   check_on_device(ctx, op, {&x, &y});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::elementwise_supported({&x, &y})) {
+      cuda::swiglu_forward(ctx.stream, x, y);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::swiglu_forward(x, y);
 }
 
@@ -63,7 +90,15 @@ void swiglu_backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& dx
   check_shape(dy, swiglu_output_shape(x, op), op, "dy");
   check_shape(dx, x.shape(), op, "dx");
   check_on_device(ctx, op, {&x, &dy, &dx});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::elementwise_supported({&x, &dy, &dx})) {
+      cuda::swiglu_backward(ctx.stream, x, dy, dx);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::swiglu_backward(x, dy, dx);
 }
 

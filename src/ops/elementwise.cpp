@@ -19,7 +19,15 @@ void add(Context& ctx, const Tensor& a, const Tensor& b, Tensor& out) {
   TESSERA_CHECK(a.shape() == b.shape() && a.shape() == out.shape(), op, ": shapes differ: a ", a.describe(), ", b ",
                 b.describe(), ", out ", out.describe());
   check_on_device(ctx, op, {&a, &b, &out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::elementwise_supported({&a, &b, &out})) {
+      cuda::add(ctx.stream, a, b, out);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::add(a, b, out);
 }
 
@@ -31,7 +39,15 @@ void scale(Context& ctx, const Tensor& in, float alpha, Tensor& out) {
   check_floating(out, op, "out");
   TESSERA_CHECK(in.shape() == out.shape(), op, ": in ", in.describe(), " and out ", out.describe(), " differ in shape");
   check_on_device(ctx, op, {&in, &out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::elementwise_supported({&in, &out})) {
+      cuda::scale(ctx.stream, in, alpha, out);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::scale(in, alpha, out);
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 #include "tessera/core/allocator.h"
 #include "tessera/core/tensor.h"
@@ -19,6 +20,15 @@ void synchronize(void* stream);
 void fill_uniform(void* stream, Tensor& out, float low, float high, uint64_t seed, uint64_t offset);
 void fill_normal(void* stream, Tensor& out, float mean, float std, uint64_t seed, uint64_t offset);
 void cast(void* stream, const Tensor& in, Tensor& out);
+
+// Elementwise kernels (backend/cuda/elementwise.cu): every operand F32, or every one BF16.
+bool elementwise_supported(std::initializer_list<const Tensor*> tensors);
+void add(void* stream, const Tensor& a, const Tensor& b, Tensor& out);
+void scale(void* stream, const Tensor& in, float alpha, Tensor& out);
+void gelu_forward(void* stream, const Tensor& x, Tensor& y);
+void gelu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx);
+void swiglu_forward(void* stream, const Tensor& x, Tensor& y);
+void swiglu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx);
 
 // cuBLASLt GEMM (backend/cuda/gemm.cu); gemm_supported says whether the dtypes have a path.
 bool gemm_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias);
