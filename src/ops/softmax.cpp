@@ -2,6 +2,9 @@
 
 #include "backend/cpu/softmax.h"
 #include "dispatch.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace tessera {
 namespace {
@@ -20,7 +23,15 @@ void softmax_forward(Context& ctx, const Tensor& x, Tensor& y) {
   check_rows_tensor(y, op, "y");
   check_shape(y, x.shape(), op, "y");
   check_on_device(ctx, op, {&x, &y});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::elementwise_supported({&x, &y})) {
+      cuda::softmax_forward(ctx.stream, x, y);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::softmax_forward(x, y);
 }
 
@@ -32,7 +43,15 @@ void softmax_backward(Context& ctx, const Tensor& y, const Tensor& dy, Tensor& d
   check_shape(dy, y.shape(), op, "dy");
   check_shape(dx, y.shape(), op, "dx");
   check_on_device(ctx, op, {&y, &dy, &dx});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::elementwise_supported({&y, &dy, &dx})) {
+      cuda::softmax_backward(ctx.stream, y, dy, dx);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::softmax_backward(y, dy, dx);
 }
 

@@ -30,6 +30,10 @@ void gelu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx);
 void swiglu_forward(void* stream, const Tensor& x, Tensor& y);
 void swiglu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx);
 
+// Softmax over the last dimension (backend/cuda/softmax.cu); same dtype rule as above.
+void softmax_forward(void* stream, const Tensor& x, Tensor& y);
+void softmax_backward(void* stream, const Tensor& y, const Tensor& dy, Tensor& dx);
+
 // cuBLASLt GEMM (backend/cuda/gemm.cu); gemm_supported says whether the dtypes have a path.
 bool gemm_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias);
 void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transpose_a, bool transpose_b, float alpha,
