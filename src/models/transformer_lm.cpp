@@ -1,5 +1,6 @@
 #include "tessera/models/transformer_lm.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "tessera/core/random.h"
@@ -96,9 +97,15 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
   const int64_t rows = h.size(0), vocab = config_.vocab_size;
   const Tensor flat_targets = targets.reshape({rows});
   // Counting the valid targets first lets every chunk scale its gradient by the global mean.
-  const Tensor host_targets = flat_targets.to(Device::cpu());
+  const std::vector<int64_t> host_targets = flat_targets.to_ints();
+  std::vector<int64_t> chunk_valid_counts;
   int64_t valid = 0;
-  for (int64_t i = 0; i < rows; ++i) valid += host_targets.item(i) != kIgnoreIndex;
+  for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
+    const int64_t r1 = std::min(rows, r0 + kHeadChunkRows);
+    chunk_valid_counts.push_back(std::count_if(host_targets.begin() + r0, host_targets.begin() + r1,
+                                               [](int64_t t) { return t != kIgnoreIndex; }));
+    valid += chunk_valid_counts.back();
+  }
   if (valid == 0) {
     if (d_h) d_h->fill_zero();
     return 0.0;
@@ -109,8 +116,7 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
   for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
     const int64_t r1 = std::min(rows, r0 + kHeadChunkRows), n = r1 - r0;
     const Tensor h_chunk = h.slice(0, r0, r1), t_chunk = flat_targets.slice(0, r0, r1);
-    int64_t chunk_valid = 0;
-    for (int64_t i = r0; i < r1; ++i) chunk_valid += host_targets.item(i) != kIgnoreIndex;
+    const int64_t chunk_valid = chunk_valid_counts[r0 / kHeadChunkRows];
     if (chunk_valid == 0) {
       if (d_h) d_h->slice(0, r0, r1).fill_zero();
       continue;

@@ -5,6 +5,7 @@
 
 #include "tessera/io/atomic_file.h"
 #include "tessera/io/safetensors.h"
+#include "tessera/ops/elementwise.h"
 
 namespace fs = std::filesystem;
 
@@ -94,7 +95,8 @@ CheckpointState load_checkpoint(const std::string& dir, models::TransformerLM& m
     Tensor loaded = file.get(p->name);
     if (loaded.dtype() != p->value.dtype()) {
       Tensor converted = Tensor::empty(loaded.shape(), p->value.dtype());
-      for (int64_t i = 0; i < loaded.numel(); ++i) converted.set_item(i, loaded.item(i));
+      Context cpu = Context::cpu();
+      cast(cpu, loaded, converted);
       loaded = converted;
     }
     p->value.copy_from(loaded.to(p->value.device()));

@@ -70,8 +70,8 @@ void Optimizer::load_state(const std::vector<std::pair<std::string, Tensor>>& te
       TESSERA_CHECK(it->second->shape() == target->shape(), "optimizer state: '", name, "' has shape ",
                     it->second->shape_string(), ", the model needs ", target->shape_string());
       Tensor converted = Tensor::empty(target->shape(), target->dtype());
-      Tensor src = it->second->to(Device::cpu());
-      for (int64_t k = 0; k < src.numel(); ++k) converted.set_item(k, src.item(k));
+      Context cpu = Context::cpu();
+      cast(cpu, it->second->to(Device::cpu()).contiguous(), converted);
       target->copy_from(converted.to(target->device()));
     }
   }
