@@ -1,10 +1,13 @@
 // Times tessera's training step (forward, backward, AdamW) of a model on random tokens.
 //
 //   bench_train_step --model '{"architecture":"gpt2",...}' --batch 8 --seq 256 --steps 10
+//   bench_train_step --model gpt2-124m --device cuda --precision bf16 --batch 16 --seq 1024
 //
 // Prints one JSON line: median/min step time over `steps` timed steps after `warmup`
-// untimed ones, and tokens per second from the median. The side-by-side comparison with
-// PyTorch is bench/cpu_train_step.py, which runs this program.
+// untimed ones, tokens per second and MFU from the median, and on CUDA the peak memory
+// the caching allocator held. Every step ends with the loss and gradient norm on the host,
+// so wall-clock time per step is the GPU time of the step. The side-by-side comparisons
+// with PyTorch are bench/cpu_train_step.py and bench/gpu_train_step.py.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -12,26 +15,55 @@
 #include <chrono>
 #include <cstdio>
 
+#include "tessera/core/allocator.h"
 #include "tessera/core/philox.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/train/optimizer.h"
 
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
+
 using namespace tessera;
+
+namespace {
+
+models::ModelConfig named_or_json(const std::string& text) {
+  if (text == "gpt2-124m") return models::ModelConfig::gpt2_124m();
+  if (text == "llama3.2-1b") return models::ModelConfig::llama32_1b();
+  return models::ModelConfig::from_json(nlohmann::json::parse(text));
+}
+
+// Model FLOPs per token of a training step (PaLM's count): 6 per parameter plus the
+// attention score and value products, 12 * layers * hidden * seq (no causal discount).
+double flops_per_token(const models::ModelConfig& c, int64_t params, int64_t seq) {
+  return 6.0 * double(params) + 12.0 * double(c.num_layers) * double(c.hidden_size) * double(seq);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Time tessera's training step on random tokens"};
   std::string model_json;
   int64_t batch = 8, seq = 256, steps = 10, warmup = 2;
-  app.add_option("--model", model_json, "Model config as JSON (keys of the model section)")->required();
+  std::string device = "cpu", precision = "fp32";
+  app.add_option("--model", model_json, "gpt2-124m, llama3.2-1b, or a model config as JSON (keys of the model section)")
+      ->required();
+  app.add_option("--device", device, "cpu or cuda")->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--precision", precision, "fp32 or bf16 (BF16 compute, FP32 master weights)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--batch", batch)->capture_default_str();
   app.add_option("--seq", seq)->capture_default_str();
   app.add_option("--steps", steps)->capture_default_str();
   app.add_option("--warmup", warmup)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    const models::ModelConfig config = models::ModelConfig::from_json(nlohmann::json::parse(model_json));
-    Context ctx = Context::cpu();
-    models::TransformerLM model(config);
+    const models::ModelConfig config = named_or_json(model_json);
+    if (device == "cuda" && !cuda_available()) throw std::runtime_error("--device cuda: no GPU present");
+    Context ctx = device == "cuda" ? Context::cuda() : Context::cpu();
+    models::TransformerLM model(config, precision == "bf16" ? DType::BF16 : DType::F32);
+    model.to(ctx.device);
     model.init(ctx, 1);
     train::Optimizer optimizer(model.parameters(), {});
     Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
@@ -46,14 +78,25 @@ int main(int argc, char** argv) {
       model.zero_grad();
       loss = model.forward_backward(ctx, inputs, targets);
       optimizer.step(ctx, 1e-4);
+      synchronize(ctx);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (s >= warmup) times.push_back(seconds);
     }
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2];
-    nlohmann::json out = {{"impl", "tessera"},           {"params", model.num_parameters()},
-                          {"median_step_s", median},      {"min_step_s", times.front()},
-                          {"tokens_per_s", batch * seq / median}, {"loss", loss}};
+    const double tokens_per_s = batch * seq / median;
+    nlohmann::json out = {{"impl", "tessera"},
+                          {"device", device},
+                          {"precision", precision},
+                          {"params", model.num_parameters()},
+                          {"median_step_s", median},
+                          {"min_step_s", times.front()},
+                          {"tokens_per_s", tokens_per_s},
+                          {"mfu", tokens_per_s * flops_per_token(config, model.num_parameters(), seq) / 989e12},
+                          {"loss", loss}};
+#if TESSERA_WITH_CUDA
+    if (ctx.device.is_cuda()) out["peak_memory_gib"] = double(cuda::allocator_stats(0).peak_bytes_reserved) / (1ull << 30);
+#endif
     std::printf("%s\n", out.dump().c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train_step: error: %s\n", e.what());

@@ -2,6 +2,8 @@
 // a tiny Llama against FP64 finite differences, through every module at once.
 #include "tessera/models/transformer_lm.h"
 
+#include "tessera/ops/elementwise.h"
+#include "tessera/train/optimizer.h"
 #include "testing.h"
 
 using namespace tessera;
@@ -116,5 +118,40 @@ TEST(TransformerLM, RejectsBadInputs) {
   EXPECT_THROW(model.forward_loss(ctx, too_long, too_long), Error);
   Tensor bad_id = Tensor::from_ints({1, 11}, {1, 2});
   EXPECT_THROW(model.forward_loss(ctx, bad_id, Tensor::from_ints({1, 1}, {1, 2})), Error);
-  EXPECT_THROW(TransformerLM(tiny("gpt2", true), DType::BF16), Error);
+  EXPECT_THROW(TransformerLM(tiny("gpt2", true), DType::F16), Error);
+}
+
+// Mixed precision: BF16 values, FP32 master weights and gradients. The BF16 model computes
+// nearly the F32 model's loss, and an optimizer step updates the master and refreshes the
+// BF16 value from it.
+TEST(TransformerLM, Bf16MixedPrecisionKeepsFp32MastersAndGradients) {
+  Context ctx = Context::cpu();
+  TransformerLM f32(tiny("llama", false), DType::F32), bf16(tiny("llama", false), DType::BF16);
+  f32.init(ctx, 7);
+  bf16.init(ctx, 7);
+  Tensor inputs = Tensor::from_ints({1, 4, 7, 2, 9, 0, 3, 3}, {2, 4});
+  Tensor targets = Tensor::from_ints({4, 7, 2, 9, 0, 3, 3, 10}, {2, 4});
+  f32.zero_grad();
+  bf16.zero_grad();
+  const double want = f32.forward_backward(ctx, inputs, targets);
+  const double got = bf16.forward_backward(ctx, inputs, targets);
+  EXPECT_NEAR(got, want, 1e-2 * want);
+  auto a = f32.parameters(), b = bf16.parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(b[i]->value.dtype(), DType::BF16) << b[i]->name;
+    ASSERT_EQ(b[i]->master.dtype(), DType::F32) << b[i]->name;
+    ASSERT_EQ(b[i]->grad.dtype(), DType::F32) << b[i]->name;
+    // Same initial weights up to BF16 rounding of the values.
+    EXPECT_EQ(relative_error(b[i]->master, a[i]->value), 0.0) << b[i]->name;
+    EXPECT_LT(relative_error(b[i]->grad, a[i]->grad), 5e-2) << b[i]->name;
+  }
+  train::OptimizerConfig oc;
+  oc.warmup_steps = 0;
+  train::Optimizer optimizer(bf16.parameters(), oc);
+  optimizer.step(ctx, 1e-2);
+  for (nn::Parameter* p : bf16.parameters()) {
+    Tensor rounded = Tensor::empty(p->value.shape(), DType::BF16);
+    cast(ctx, p->master, rounded);
+    EXPECT_EQ(relative_error(p->value, rounded), 0.0) << p->name << ": value must be the rounded master";
+  }
 }

@@ -57,13 +57,20 @@ void add_train_commands(CLI::App& app) {
   static std::string config_path;
   static std::vector<std::string> overrides;
   static bool resume = false;
+  static std::string device, precision;
   CLI::App* train_cmd = app.add_subcommand("train", "Train a model from a YAML/JSON config (see docs/training.md)");
   train_cmd->add_option("config", config_path, "Config file (YAML or JSON)")->required()->check(CLI::ExistingFile);
   train_cmd->add_option("--set", overrides, "Override a config key, e.g. --set training.steps=200 (repeatable)");
   train_cmd->add_flag("--resume", resume, "Continue from the latest checkpoint in training.out_dir when there is one");
+  train_cmd->add_option("--device", device, "auto, cpu or cuda (same as --set training.device=...)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  train_cmd->add_option("--precision", precision, "auto, fp32 or bf16 (same as --set training.precision=...)")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
   train_cmd->callback([] {
     nlohmann::json j = train::load_config_file(config_path);
     for (const std::string& o : overrides) train::apply_override(j, o);
+    if (!device.empty()) train::apply_override(j, "training.device=" + device);
+    if (!precision.empty()) train::apply_override(j, "training.precision=" + precision);
     train::train(train::RunConfig::from_json(j), {.resume = resume});
   });
 

@@ -161,19 +161,19 @@ struct Mapping {
 // The stored shape of `piece` of `param`.
 Shape hf_shape(const nn::Parameter& param, const Piece& piece) {
   const int64_t rows = piece.row_end - piece.row_begin;
-  if (param.value.dim() == 1) return {rows};
-  const int64_t cols = param.value.size(1);
+  if (param.weights().dim() == 1) return {rows};
+  const int64_t cols = param.weights().size(1);
   return piece.transposed ? Shape{cols, rows} : Shape{rows, cols};
 }
 
-// The view of `param` that `piece` holds, in the stored layout.
+// The view of `param`'s full-precision weights that `piece` holds, in the stored layout.
 Tensor piece_view(const nn::Parameter& param, const Piece& piece) {
-  Tensor rows = param.value.slice(0, piece.row_begin, piece.row_end);
+  Tensor rows = param.weights().slice(0, piece.row_begin, piece.row_end);
   return piece.transposed ? rows.transpose(0, 1) : rows;
 }
 
 Mapping whole(nn::Parameter& p, const std::string& hf_name, bool transposed = false) {
-  return {&p, {{hf_name, 0, p.value.size(0), transposed}}};
+  return {&p, {{hf_name, 0, p.weights().size(0), transposed}}};
 }
 
 // Every tessera parameter with its Hugging Face pieces. `prefix` is the head model's prefix
@@ -379,10 +379,12 @@ void load_hf_model(const std::string& dir, TransformerLM& model) {
 
   for (const Mapping& m : table) {
     for (const Piece& piece : m.pieces) {
-      const Tensor stored = converted(reader.get(piece.hf_name), m.param->value.dtype());
+      const Tensor stored = converted(reader.get(piece.hf_name), m.param->weights().dtype());
       Tensor dst = piece_view(*m.param, piece);
-      dst.copy_from(stored);
+      dst.copy_from(stored.to(dst.device()));
     }
+    Context ctx{m.param->value.device()};
+    m.param->refresh_value(ctx);
   }
 }
 
@@ -397,7 +399,7 @@ void save_hf_model(const std::string& dir, TransformerLM& model, DType dtype) {
   config["torch_dtype"] = torch_dtype_name(dtype);
   io::NamedTensors tensors;
   for (const Mapping& m : name_table(model, base_prefix(model.config()))) {
-    for (const Piece& piece : m.pieces) tensors.emplace_back(piece.hf_name, converted(piece_view(*m.param, piece), dtype));
+    for (const Piece& piece : m.pieces) tensors.emplace_back(piece.hf_name, converted(piece_view(*m.param, piece).to(Device::cpu()), dtype));
   }
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);

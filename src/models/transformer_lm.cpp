@@ -17,8 +17,8 @@ TransformerLM::TransformerLM(const ModelConfig& config, DType dtype, const nn::P
       token_embedding("embed.weight", {config.vocab_size, config.hidden_size}, dtype, true),
       final_norm("final_norm", config.is_gpt2() ? nn::NormKind::LayerNorm : nn::NormKind::RMSNorm, config.hidden_size,
                  config.norm_eps, dtype) {
-  TESSERA_CHECK(dtype == DType::F32 || dtype == DType::F64, "TransformerLM: master weights must be f32 or f64, got ",
-                dtype_name(dtype));
+  TESSERA_CHECK(dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16,
+                "TransformerLM: the compute dtype must be f32, f64 or bf16, got ", dtype_name(dtype));
   if (config.is_gpt2())
     position_embedding = nn::Parameter("pos_embed.weight", {config.max_seq_len, config.hidden_size}, dtype, true);
   for (int64_t i = 0; i < config.num_layers; ++i)
@@ -45,6 +45,14 @@ void TransformerLM::zero_grad() {
   for (nn::Parameter* p : parameters()) p->grad.fill_zero();
 }
 
+void TransformerLM::to(Device device) {
+  for (nn::Parameter* p : parameters()) p->to(device);
+}
+
+void TransformerLM::refresh_values(Context& ctx) {
+  for (nn::Parameter* p : parameters()) p->refresh_value(ctx);
+}
+
 void TransformerLM::init(Context& ctx, uint64_t seed) {
   const float residual_std = 0.02f / std::sqrt(2.0f * config_.num_layers);
   uint64_t stream = 0;  // each parameter draws from its own offset of the seed's stream
@@ -52,15 +60,17 @@ void TransformerLM::init(Context& ctx, uint64_t seed) {
     const bool is_norm = p->name.find("norm") != std::string::npos;
     const bool is_bias = p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, ".bias") == 0;
     const bool is_residual_proj = p->name.find(".proj.weight") != std::string::npos;
+    Tensor& w = p->weights();
     if (is_norm && !is_bias) {
-      Tensor ones = Tensor::empty(p->value.shape(), p->value.dtype());
+      Tensor ones = Tensor::empty(w.shape(), w.dtype());
       for (int64_t i = 0; i < ones.numel(); ++i) ones.set_item(i, 1.0);
-      p->value.copy_from(ones);
+      w.copy_from(ones);
     } else if (is_bias) {
-      p->value.fill_zero();
+      w.fill_zero();
     } else {
-      fill_normal(ctx, p->value, 0.0f, is_residual_proj ? residual_std : 0.02f, seed, stream);
+      fill_normal(ctx, w, 0.0f, is_residual_proj ? residual_std : 0.02f, seed, stream);
     }
+    p->refresh_value(ctx);
     stream += static_cast<uint64_t>(p->numel());  // a fill of n normals uses n/2 counters: no overlap
   }
   zero_grad();
@@ -72,7 +82,7 @@ Tensor TransformerLM::embed(Context& ctx, const Tensor& inputs) const {
   TESSERA_CHECK(seq <= config_.max_seq_len, "TransformerLM: sequence length ", seq, " exceeds model.max_seq_len ",
                 config_.max_seq_len);
   Tensor x = Tensor::empty({batch * seq, config_.hidden_size}, dtype_, ctx.device);
-  embedding_forward(ctx, inputs.reshape({batch * seq}), token_embedding.value, x);
+  embedding_forward(ctx, inputs.reshape({batch * seq}).to(ctx.device), token_embedding.value, x);
   if (position_embedding.value.defined()) {
     Tensor pos = position_embedding.value.slice(0, 0, seq);
     for (int64_t b = 0; b < batch; ++b) {
@@ -95,9 +105,10 @@ Tensor TransformerLM::trunk_forward(Context& ctx, const Tensor& inputs, Saved& s
 // gradient w.r.t. h and accumulates the head weight's gradient, both times `scale`.
 double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& targets, Tensor* d_h, float scale) {
   const int64_t rows = h.size(0), vocab = config_.vocab_size;
-  const Tensor flat_targets = targets.reshape({rows});
+  const Tensor flat_targets = targets.reshape({rows}).to(ctx.device);
   // Counting the valid targets first lets every chunk scale its gradient by the global mean.
-  const std::vector<int64_t> host_targets = flat_targets.to_ints();
+  // Targets come from the host-side loader, so this reads host memory, not the device.
+  const std::vector<int64_t> host_targets = targets.reshape({rows}).to_ints();
   std::vector<int64_t> chunk_valid_counts;
   int64_t valid = 0;
   for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
@@ -111,8 +122,11 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
     return 0.0;
   }
   nn::Parameter& w = head_weight();
-  const DType stats = dtype_ == DType::F64 ? DType::F64 : DType::F32;
-  double loss = 0;
+  const DType stats = nn::master_dtype(dtype_);
+  // Each chunk's mean loss lands in its own slot on the device; one copy at the end, so the
+  // loop never waits for the GPU.
+  const int64_t num_chunks = static_cast<int64_t>(chunk_valid_counts.size());
+  Tensor chunk_losses = Tensor::zeros({num_chunks}, stats, ctx.device);
   for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
     const int64_t r1 = std::min(rows, r0 + kHeadChunkRows), n = r1 - r0;
     const Tensor h_chunk = h.slice(0, r0, r1), t_chunk = flat_targets.slice(0, r0, r1);
@@ -123,10 +137,10 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
     }
     Tensor logits = Tensor::empty({n, vocab}, dtype_, ctx.device);
     gemm(ctx, h_chunk, w.value, logits, {.transpose_b = true});
-    Tensor chunk_loss = Tensor::empty({1}, stats, ctx.device), lse = Tensor::empty({n}, stats, ctx.device);
+    Tensor chunk_loss = chunk_losses.slice(0, r0 / kHeadChunkRows, r0 / kHeadChunkRows + 1);
+    Tensor lse = Tensor::empty({n}, stats, ctx.device);
     cross_entropy_forward(ctx, logits, t_chunk, chunk_loss, lse, {.ignore_index = kIgnoreIndex});
     const double weight = double(chunk_valid) / double(valid);
-    loss += chunk_loss.to(Device::cpu()).item(0) * weight;
     if (!d_h) continue;
     Tensor d_logits = Tensor::empty({n, vocab}, dtype_, ctx.device);
     cross_entropy_backward(ctx, logits, t_chunk, lse, static_cast<float>(weight * scale), d_logits,
@@ -135,6 +149,9 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
     gemm(ctx, d_logits, w.value, d_h_chunk);                                                    // dh = dlogits W
     gemm(ctx, d_logits, h_chunk, w.grad, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
   }
+  const Tensor host_losses = chunk_losses.to(Device::cpu());
+  double loss = 0;
+  for (int64_t i = 0; i < num_chunks; ++i) loss += host_losses.item(i) * double(chunk_valid_counts[i]) / double(valid);
   return loss;
 }
 
@@ -152,7 +169,7 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
     d = layers[i]->backward_input(ctx, dy, saved.layers[i]);
     layers[i]->backward_weight(ctx, dy, saved.layers[i]);
   }
-  const Tensor ids = inputs.reshape({batch * seq});
+  const Tensor ids = inputs.reshape({batch * seq}).to(ctx.device);
   embedding_backward(ctx, ids, d, token_embedding.grad);
   if (position_embedding.value.defined()) {
     Tensor positions = Tensor::empty({batch * seq}, DType::I32);

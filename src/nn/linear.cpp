@@ -1,12 +1,29 @@
 #include "tessera/nn/linear.h"
 
+#include "tessera/ops/elementwise.h"
 #include "tessera/ops/gemm.h"
 
 namespace tessera::nn {
 
 Parameter::Parameter(std::string name_, const Shape& shape, DType dtype, bool decay, Device device)
-    : name(std::move(name_)), value(Tensor::zeros(shape, dtype, device)), grad(Tensor::zeros(shape, dtype, device)),
-      weight_decay(decay) {}
+    : name(std::move(name_)),
+      value(Tensor::zeros(shape, dtype, device)),
+      grad(Tensor::zeros(shape, master_dtype(dtype), device)),
+      weight_decay(decay) {
+  TESSERA_CHECK(dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16, "Parameter ", name,
+                ": compute dtype must be f32, f64 or bf16, got ", dtype_name(dtype));
+  if (dtype != master_dtype(dtype)) master = Tensor::zeros(shape, master_dtype(dtype), device);
+}
+
+void Parameter::refresh_value(Context& ctx) {
+  if (master.defined()) cast(ctx, master, value);
+}
+
+void Parameter::to(Device device) {
+  value = value.to(device);
+  grad = grad.to(device);
+  if (master.defined()) master = master.to(device);
+}
 
 Linear::Linear(const std::string& name, int64_t in_features, int64_t out_features, bool has_bias, DType dtype,
                const ParallelContext& parallel)

@@ -29,7 +29,8 @@ std::string save_checkpoint(const std::string& out_dir, models::TransformerLM& m
   fs::create_directories(tmp_dir);
 
   io::NamedTensors params;
-  for (nn::Parameter* p : model.parameters()) params.emplace_back(p->name, p->value);
+  // The full-precision weights (FP32 masters of a BF16 model), on the host.
+  for (nn::Parameter* p : model.parameters()) params.emplace_back(p->name, p->weights().to(Device::cpu()));
   io::save_safetensors((tmp_dir / "model.safetensors").string(), params,
                        {{"format", "tessera"}, {"model_config", model.config().to_json().dump()}});
   if (optimizer) io::save_safetensors((tmp_dir / "optimizer.safetensors").string(), optimizer->state());
@@ -90,16 +91,19 @@ CheckpointState load_checkpoint(const std::string& dir, models::TransformerLM& m
   for (nn::Parameter* p : model.parameters()) {
     TESSERA_CHECK(file.contains(p->name), "checkpoint: ", file.path(), " has no tensor '", p->name, "'");
     const io::TensorInfo& info = file.info(p->name);
-    TESSERA_CHECK(info.shape == p->value.shape(), "checkpoint: '", p->name, "' has shape ", shape_to_string(info.shape),
-                  ", the model needs ", p->value.shape_string());
+    Tensor& weights = p->weights();
+    TESSERA_CHECK(info.shape == weights.shape(), "checkpoint: '", p->name, "' has shape ", shape_to_string(info.shape),
+                  ", the model needs ", weights.shape_string());
     Tensor loaded = file.get(p->name);
-    if (loaded.dtype() != p->value.dtype()) {
-      Tensor converted = Tensor::empty(loaded.shape(), p->value.dtype());
+    if (loaded.dtype() != weights.dtype()) {
+      Tensor converted = Tensor::empty(loaded.shape(), weights.dtype());
       Context cpu = Context::cpu();
       cast(cpu, loaded, converted);
       loaded = converted;
     }
-    p->value.copy_from(loaded.to(p->value.device()));
+    weights.copy_from(loaded.to(weights.device()));
+    Context ctx{weights.device()};
+    p->refresh_value(ctx);
   }
   CheckpointState out;
   out.step = state.value("step", int64_t(0));

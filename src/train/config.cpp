@@ -150,7 +150,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
   if (j.contains("training")) {
     const auto& t = j.at("training");
     check_keys(t, "training", {"steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches",
-                               "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "max_minutes",
+                               "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "precision", "max_minutes",
                                "sample_prompt", "sample_tokens", "init_from"});
     read(t, "training.", "steps", c.training.steps);
     read(t, "training.", "batch_size", c.training.batch_size);
@@ -163,6 +163,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     read(t, "training.", "seed", c.training.seed);
     read(t, "training.", "out_dir", c.training.out_dir);
     read(t, "training.", "device", c.training.device);
+    read(t, "training.", "precision", c.training.precision);
     read(t, "training.", "max_minutes", c.training.max_minutes);
     read(t, "training.", "sample_prompt", c.training.sample_prompt);
     read(t, "training.", "init_from", c.training.init_from);
@@ -178,6 +179,8 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
   TESSERA_CHECK(t.eval_interval >= 0 && t.eval_batches > 0, "config: training.eval_interval must be >= 0 and training.eval_batches > 0");
   TESSERA_CHECK(t.device == "auto" || t.device == "cpu" || t.device == "cuda", "config: training.device must be auto, cpu or cuda, got \"",
                 t.device, "\"");
+  TESSERA_CHECK(t.precision == "auto" || t.precision == "fp32" || t.precision == "bf16",
+                "config: training.precision must be auto, fp32 or bf16, got \"", t.precision, "\"");
   TESSERA_CHECK(c.optimizer.lr > 0, "config: optimizer.lr must be positive, got ", c.optimizer.lr);
   TESSERA_CHECK(c.optimizer.grad_clip >= 0, "config: optimizer.grad_clip must be >= 0, got ", c.optimizer.grad_clip);
   TESSERA_CHECK(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1 && c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1,
@@ -200,7 +203,7 @@ nlohmann::json RunConfig::to_json() const {
                         {"grad_accum", training.grad_accum}, {"eval_interval", training.eval_interval},
                         {"eval_batches", training.eval_batches}, {"checkpoint_interval", training.checkpoint_interval},
                         {"log_interval", training.log_interval}, {"seed", training.seed}, {"out_dir", training.out_dir},
-                        {"device", training.device}, {"max_minutes", training.max_minutes},
+                        {"device", training.device}, {"precision", training.precision}, {"max_minutes", training.max_minutes},
                         {"init_from", training.init_from}, {"sample_prompt", training.sample_prompt}, {"sample_tokens", training.sample_tokens}}}};
 }
 

@@ -1,5 +1,6 @@
 #include "tessera/train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -20,19 +21,26 @@ double learning_rate(const OptimizerConfig& c, int64_t step, int64_t total_steps
 Optimizer::Optimizer(nn::ParameterList parameters, const OptimizerConfig& config)
     : params_(std::move(parameters)), config_(config) {
   for (nn::Parameter* p : params_) {
-    exp_avg_.push_back(Tensor::zeros(p->value.shape(), p->value.dtype(), p->value.device()));
-    exp_avg_sq_.push_back(Tensor::zeros(p->value.shape(), p->value.dtype(), p->value.device()));
+    const Tensor& w = p->weights();  // FP32 masters of a BF16 model: the moments match them
+    exp_avg_.push_back(Tensor::zeros(w.shape(), w.dtype(), w.device()));
+    exp_avg_sq_.push_back(Tensor::zeros(w.shape(), w.dtype(), w.device()));
   }
 }
 
 double Optimizer::step(Context& ctx, double lr) {
-  // Global norm: one sum of squares per parameter into a device scalar, read once.
+  // Global norm: each parameter's sum of squares into its own slot of one device tensor,
+  // read back with a single copy (one host sync per step, not one per parameter).
   const DType acc = params_.empty() ? DType::F32 : params_[0]->grad.dtype();
+  const int64_t n = static_cast<int64_t>(params_.size());
+  Tensor partials = Tensor::empty({std::max<int64_t>(n, 1)}, acc == DType::F64 ? DType::F64 : DType::F32, ctx.device);
+  for (int64_t i = 0; i < n; ++i) {
+    Tensor slot = partials.slice(0, i, i + 1);
+    sum_of_squares(ctx, params_[i]->grad, slot);
+  }
   double total = 0;
-  Tensor partial = Tensor::empty({1}, acc == DType::F64 ? DType::F64 : DType::F32, ctx.device);
-  for (nn::Parameter* p : params_) {
-    sum_of_squares(ctx, p->grad, partial);
-    total += partial.to(Device::cpu()).item(0);
+  if (n > 0) {
+    const Tensor host = partials.to(Device::cpu());
+    for (int64_t i = 0; i < n; ++i) total += host.item(i);
   }
   const double norm = std::sqrt(total);
   const double clip = (config_.grad_clip > 0 && norm > config_.grad_clip) ? config_.grad_clip / (norm + 1e-6) : 1.0;
@@ -45,7 +53,8 @@ double Optimizer::step(Context& ctx, double lr) {
     const AdamWOptions options{.lr = float(lr), .beta1 = float(config_.beta1), .beta2 = float(config_.beta2),
                                .eps = float(config_.eps),
                                .weight_decay = p->weight_decay ? float(config_.weight_decay) : 0.0f, .step = step_};
-    adamw_step(ctx, p->value, p->grad, exp_avg_[i], exp_avg_sq_[i], options);
+    adamw_step(ctx, p->weights(), p->grad, exp_avg_[i], exp_avg_sq_[i], options);
+    p->refresh_value(ctx);
   }
   return norm;
 }

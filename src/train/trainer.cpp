@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "tessera/core/allocator.h"
 #include "tessera/data/loader.h"
 #include "tessera/data/token_file.h"
 #include "tessera/infer/generate.h"
@@ -41,10 +42,22 @@ int64_t prepare_text(const std::string& text_path, const data::Tokenizer& tokeni
 namespace {
 
 Context pick_device(const std::string& device) {
-  // The CPU backend runs every op today; "auto" moves to CUDA once that backend covers
-  // the whole model (the "CUDA backend" stage).
-  if (device == "cuda") TESSERA_FAIL("training.device=cuda: the CUDA backend does not run the whole model in this build");
-  return Context::cpu();
+  if (device == "cpu") return Context::cpu();
+  const bool gpu = cuda_available();
+  if (device == "cuda") {
+    TESSERA_CHECK(gpu, "training.device=cuda: ",
+                  TESSERA_WITH_CUDA ? "no CUDA GPU is visible" : "this build has no CUDA backend (configure with -DTESSERA_CUDA=ON)");
+    return Context::cuda();
+  }
+  return gpu ? Context::cuda() : Context::cpu();  // auto
+}
+
+// The compute dtype: BF16 with FP32 master weights on a GPU, FP32 on the CPU (where BF16
+// saves no time: the reference kernels compute in float either way).
+DType pick_dtype(const std::string& precision, const Context& ctx) {
+  if (precision == "bf16") return DType::BF16;
+  if (precision == "fp32") return DType::F32;
+  return ctx.device.is_cuda() ? DType::BF16 : DType::F32;
 }
 
 data::TokenFile open_tokens(const RunConfig& c, const data::Tokenizer& tokenizer) {
@@ -100,7 +113,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     val_loader = std::make_unique<data::DataLoader>(tokens, val_opts);
   }
 
-  models::TransformerLM model(c.model, DType::F32);
+  const DType dtype = pick_dtype(t.precision, ctx);
+  models::TransformerLM model(c.model, dtype);
+  model.to(ctx.device);
   model.init(ctx, t.seed);
   Optimizer optimizer(model.parameters(), c.optimizer);
   int64_t step = 0;
@@ -142,8 +157,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
 
   const int64_t tokens_per_step = t.batch_size * t.seq_len * t.grad_accum;
   if (!options.quiet) {
-    std::printf("train: %s model, %lld parameters, %lld tokens (%s tokenizer), %lld tokens per step\n",
+    std::printf("train: %s model, %lld parameters, on %s in %s, %lld tokens (%s tokenizer), %lld tokens per step\n",
                 c.model.architecture.c_str(), static_cast<long long>(model.num_parameters()),
+                ctx.device.is_cuda() ? "cuda" : "cpu", dtype == DType::BF16 ? "bf16 (fp32 master weights)" : "fp32",
                 static_cast<long long>(tokens.num_tokens()), tokenizer->name().c_str(),
                 static_cast<long long>(tokens_per_step));
     std::printf("train: unigram entropy of the data %.3f nats/token (the loss of a model that ignores context)\n",

@@ -18,12 +18,22 @@ namespace tessera::models {
 
 class TransformerLM {
  public:
+  // `dtype` is the compute dtype: F32, F64 (gradient checks) or BF16 (mixed precision: BF16
+  // weights and activations, FP32 master weights and gradients; see nn::Parameter). The
+  // model is built on the CPU; `to` moves it.
   TransformerLM(const ModelConfig& config, DType dtype = DType::F32, const nn::ParallelContext& parallel = {});
+
+  // Moves every parameter (values, gradients, master weights) to `device`.
+  void to(Device device);
+  // Recomputes the BF16 values from the master weights after they were loaded or updated.
+  void refresh_values(Context& ctx);
 
   // Random initialisation (GPT-2 style: N(0, 0.02), residual projections scaled by
   // 1/sqrt(2 * layers), norms at 1, biases at 0), from the Philox stream of `seed`.
   void init(Context& ctx, uint64_t seed);
 
+  // inputs and targets are [B, T] token ids on any device (the loader's host tensors are
+  // copied to ctx's device). Gradients are in each parameter's grad (F32 for BF16 models).
   // Mean cross-entropy over the targets that are not `ignore_index`, and the gradients of
   // every parameter ACCUMULATED (gradient accumulation is the caller's loop). `scale`
   // multiplies the gradients (1 / micro-batches when accumulating).

@@ -16,16 +16,32 @@
 
 namespace tessera::nn {
 
+// Mixed precision: with a BF16 compute dtype, `value` is the BF16 copy the ops read, `master`
+// holds the FP32 weights the optimizer updates, and `grad` is FP32 (BF16 gradients summed
+// over many micro-batches and layers would lose the small updates). With an F32 or F64
+// compute dtype there is no separate master: `value` is updated in place.
 struct Parameter {
   std::string name;      // Hugging Face-style dotted name, e.g. "model.layers.0.self_attn.q_proj.weight"
-  Tensor value;          // master value (F32, or F64 for gradient checks)
-  Tensor grad;           // same shape and dtype; accumulated by backward_weight
+  Tensor value;          // what the ops compute with: F32, F64 (gradient checks) or BF16
+  Tensor grad;           // F32 (F64 for F64 values); accumulated by backward_weight
+  Tensor master;         // F32 master weights when value is BF16; undefined otherwise
   bool weight_decay = true;  // false for norms and biases
 
   Parameter() = default;
   Parameter(std::string name_, const Shape& shape, DType dtype, bool decay, Device device = Device::cpu());
   int64_t numel() const { return value.numel(); }
+
+  // The full-precision weights: what the optimizer updates, checkpoints save and imports fill.
+  Tensor& weights() { return master.defined() ? master : value; }
+  const Tensor& weights() const { return master.defined() ? master : value; }
+  // Refreshes `value` from `master` after the weights changed (no-op without a master).
+  void refresh_value(Context& ctx);
+  // Moves every tensor of the parameter to `device` (copies; the old storage is released).
+  void to(Device device);
 };
+
+// The dtype of gradients and master weights for a compute dtype.
+inline DType master_dtype(DType compute) { return compute == DType::F64 ? DType::F64 : DType::F32; }
 
 // Sizes and ranks of the parallel groups. Everything is 1 / 0 on a single device; every
 // module takes one so that none assumes it runs alone.

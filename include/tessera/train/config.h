@@ -40,7 +40,8 @@ struct TrainingConfig {
   int64_t log_interval = 10;
   uint64_t seed = 1337;
   std::string out_dir = "runs/train";
-  std::string device = "auto";    // auto, cpu, cuda
+  std::string device = "auto";    // auto (cuda when a GPU is present), cpu, cuda
+  std::string precision = "auto"; // auto (bf16 on cuda, fp32 on cpu), fp32, bf16
   double max_minutes = 0;         // stop (and checkpoint) after this long; 0: no limit
   std::string init_from;          // start from these weights: a tessera checkpoint or run dir, or a Hugging Face dir
   std::string sample_prompt;      // printed with a sample at the end when non-empty

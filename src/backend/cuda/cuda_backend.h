@@ -44,6 +44,8 @@ struct AllocatorStats {
   size_t bytes_in_use = 0;
   size_t bytes_cached = 0;
   size_t device_allocations = 0;  // calls that reached cudaMalloc
+  size_t peak_bytes_in_use = 0;    // highwater marks since the start, for benchmark reports
+  size_t peak_bytes_reserved = 0;  // in use + cached: what the process holds of the GPU
 };
 AllocatorStats allocator_stats(int device_index);
 

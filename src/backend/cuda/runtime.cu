@@ -8,6 +8,7 @@
 // cache and retries, then raises a clear out-of-memory error.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -47,6 +48,7 @@ class CachingAllocator final : public Allocator {
       it->second.pop_back();
       stats_.bytes_cached -= size;
       stats_.bytes_in_use += size;
+      stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
       return p;
     }
     TESSERA_CUDA_CHECK(cudaSetDevice(device_));
@@ -67,6 +69,8 @@ class CachingAllocator final : public Allocator {
     }
     stats_.device_allocations += 1;
     stats_.bytes_in_use += size;
+    stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
+    stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_in_use + stats_.bytes_cached);
     return p;
   }
 

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""tessera vs PyTorch on one GPU: a training step of the same model, side by side in one run.
+
+Models (random tokens, BF16 compute, FP32 master weights, AdamW):
+  gpt2   GPT-2 124M, B=16 T=1024. PyTorch: a nanoGPT-style model (SDPA attention, tied
+         embeddings, BF16 autocast, fused AdamW), eager and optionally torch.compile.
+  llama  Llama-3.2-1B-shaped (1.24B parameters), B=4 T=2048. PyTorch: Hugging Face
+         LlamaForCausalLM (SDPA attention), BF16 autocast, fused AdamW.
+
+Timing: warm-up steps, then the median wall time of `--steps` steps, each ending with a
+CUDA synchronize (tessera's step ends with the loss on the host anyway). MFU is against
+989 TFLOP/s with PaLM's FLOP count (6 N + 12 L C T per token). Peak memory is
+torch.cuda.max_memory_reserved for PyTorch and the caching allocator's highwater mark
+for tessera (both: memory the process held).
+
+    python3 bench/gpu_train_step.py --build build-gpu [--models gpt2,llama] [--compile]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PEAK = 989e12
+
+
+def flops_per_token(params, layers, hidden, seq):
+    return 6.0 * params + 12.0 * layers * hidden * seq
+
+
+def time_steps(step, warmup, steps):
+    import torch
+
+    times = []
+    for s in range(warmup + steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        if s >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gpt2_torch(batch, seq, compile_model):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    v, c, layers, h = 50257, 768, 12, 12
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
+            self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+            self.fc, self.fc_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v_ = self.qkv(self.ln1(x)).split(c, dim=2)
+            q, k, v_ = (z.view(b, t, h, c // h).transpose(1, 2) for z in (q, k, v_))
+            y = F.scaled_dot_product_attention(q, k, v_, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+            return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(v, c), nn.Embedding(1024, c)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(c)
+
+        def forward(self, idx, targets):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for blk in self.blocks:
+                x = blk(x)
+            logits = self.ln_f(x) @ self.wte.weight.t()
+            return F.cross_entropy(logits.float().view(-1, v), targets.view(-1))
+
+    model = GPT().cuda()
+    params = sum(p.numel() for p in model.parameters())
+    return model, params, layers, c, v
+
+
+def llama_torch(batch, seq, compile_model):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).cuda()
+    params = sum(p.numel() for p in model.parameters())
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, idx, targets):
+            return self.m(input_ids=idx, labels=targets).loss
+
+    return Wrap(model), params, 16, 2048, 128256
+
+
+def run_torch(name, batch, seq, compile_model, warmup, steps):
+    import torch
+
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    build = gpt2_torch if name == "gpt2" else llama_torch
+    model, params, layers, hidden, vocab = build(batch, seq, compile_model)
+    if compile_model:
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    idx = torch.randint(0, vocab, (batch, seq), device="cuda")
+    tgt = torch.randint(0, vocab, (batch, seq), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+
+    median = time_steps(step, warmup + (3 if compile_model else 0), steps)
+    tps = batch * seq / median
+    out = {"impl": f"pytorch {torch.__version__} {'compile' if compile_model else 'eager'}", "params": params,
+           "median_step_s": median, "tokens_per_s": tps,
+           "mfu": tps * flops_per_token(params, layers, hidden, seq) / PEAK,
+           "peak_memory_gib": torch.cuda.max_memory_reserved() / 2**30}
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_tessera(build, name, batch, seq, warmup, steps):
+    model = {"gpt2": "gpt2-124m", "llama": "llama3.2-1b"}[name]
+    cmd = [os.path.join(build, "bench_train_step"), "--model", model, "--device", "cuda", "--precision", "bf16",
+           "--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    result = json.loads(out)
+    result["impl"] = "tessera bf16"
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--models", default="gpt2,llama")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    shapes = {"gpt2": (16, 1024), "llama": (4, 2048)}
+    rows = []
+    for name in args.models.split(","):
+        batch, seq = shapes[name]
+        results = [run_tessera(args.build, name, batch, seq, args.warmup, args.steps)]
+        results.append(run_torch(name, batch, seq, False, args.warmup, args.steps))
+        if args.compile:
+            results.append(run_torch(name, batch, seq, True, args.warmup, args.steps))
+        for r in results:
+            r.update(model=name, batch=batch, seq=seq)
+            print(json.dumps(r), flush=True)
+        rows.append(results)
+    print(f"\n{'model':6} {'implementation':32} {'tok/s':>10} {'MFU':>6} {'peak GiB':>9} {'tessera/this':>12}")
+    for results in rows:
+        ours = results[0]["tokens_per_s"]
+        for r in results:
+            print(f"{r['model']:6} {r['impl']:32} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} "
+                  f"{r.get('peak_memory_gib', 0):9.1f} {ours / r['tokens_per_s']:12.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
