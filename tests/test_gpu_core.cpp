@@ -94,3 +94,46 @@ TEST(GpuCore, StridedCopiesIntoAndOutOfTheDevice) {
   EXPECT_EQ(bytes_of(dev), bytes_of(want));
   EXPECT_EQ(bytes_of(dev.transpose(0, 1).to(Device::cpu())), bytes_of(want.transpose(0, 1).contiguous()));
 }
+
+// Device-to-device strided copies run as a kernel: the QKV split of attention (rows of a
+// head at a stride, 16-byte path), transposes (scalar path) and odd sizes, every dtype width.
+TEST(GpuCore, StridedCopiesWithinTheDeviceMatchTheHost) {
+  REQUIRE_GPU();
+  for (DType t : {DType::F32, DType::BF16, DType::F64, DType::E4M3}) {
+    for (Shape shape : {Shape{2, 5, 7, 64}, Shape{3, 17, 3, 9}, Shape{1, 1, 1, 1}}) {
+      const std::string what = std::string(dtype_name(t)) + shape_to_string(shape);
+      Tensor host = random_tensor(shape, t == DType::E4M3 ? DType::F32 : t, 9);
+      if (t == DType::E4M3) {
+        Tensor q = Tensor::empty(shape, t);
+        Context cpu = Context::cpu();
+        cast(cpu, host, q);
+        host = q;
+      }
+      const Tensor dev = host.to(Device::cuda());
+      const int64_t h = shape[2];
+      // A head slice (strided rows) made contiguous on the device.
+      const Tensor part = dev.slice(2, h / 3, h).contiguous();
+      EXPECT_EQ(bytes_of(part.to(Device::cpu())), bytes_of(host.slice(2, h / 3, h).contiguous())) << what;
+      // Scattered back into a zeroed device tensor.
+      Tensor back = Tensor::zeros(shape, t, Device::cuda());
+      back.slice(2, h / 3, h).copy_from(part);
+      Tensor want = Tensor::zeros(shape, t);
+      want.slice(2, h / 3, h).copy_from(host.slice(2, h / 3, h));
+      EXPECT_EQ(bytes_of(back.to(Device::cpu())), bytes_of(want)) << what;
+      // A transpose (no contiguous dimension in common).
+      const Tensor tr = dev.transpose(1, 3).contiguous();
+      EXPECT_EQ(bytes_of(tr.to(Device::cpu())), bytes_of(host.transpose(1, 3).contiguous())) << what;
+    }
+  }
+}
+
+TEST(GpuCore, FillZeroOnTheDevice) {
+  REQUIRE_GPU();
+  Tensor dev = random_tensor({5, 9}, DType::F32, 4).to(Device::cuda());
+  dev.slice(1, 2, 5).fill_zero();  // strided
+  Tensor want = random_tensor({5, 9}, DType::F32, 4);
+  want.slice(1, 2, 5).fill_zero();
+  EXPECT_EQ(bytes_of(dev.to(Device::cpu())), bytes_of(want));
+  dev.fill_zero();  // contiguous
+  EXPECT_EQ(bytes_of(dev.to(Device::cpu())), bytes_of(Tensor::zeros({5, 9}, DType::F32)));
+}

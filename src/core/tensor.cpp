@@ -6,6 +6,9 @@
 
 #include "../backend/cpu/element.h"
 #include "tessera/core/allocator.h"
+#if TESSERA_WITH_CUDA
+#include "../backend/cuda/copy.h"
+#endif
 
 namespace tessera {
 
@@ -229,8 +232,16 @@ void Tensor::copy_from(const Tensor& src) {
     copy_bytes(raw_data(), device_, src.raw_data(), src.device_, nbytes());
     return;
   }
-  // Strided copies go through the host: fine for tools and tests, never used in a step.
-  // A strided device view travels as the byte range it spans, viewed with its strides on
+#if TESSERA_WITH_CUDA
+  // Within one GPU a strided copy is a kernel (the QKV split in every attention layer).
+  if (device_.is_cuda() && src.device_ == device_) {
+    cuda::copy_strided(raw_data(), strides_.data(), src.raw_data(), src.strides_.data(), shape_.data(), dim(),
+                       dtype_size(dtype_));
+    return;
+  }
+#endif
+  // Strided copies between host and device go through the host: fine for tools and tests,
+  // never used in a step. A strided device view travels as the byte range it spans, viewed with its strides on
   // the host; a device destination is read, written on the host and sent back the same way.
   const Tensor s = src.device_.is_cpu() ? src : src.host_span_view();
   Tensor d = device_.is_cpu() ? *this : host_span_view();
@@ -289,13 +300,13 @@ void Tensor::fill_zero() {
     if (device_.is_cpu()) {
       std::memset(raw_data(), 0, nbytes());
     } else {
-      Tensor zeros_host = Tensor::empty(shape_, dtype_);
-      std::memset(zeros_host.raw_data(), 0, nbytes());
-      copy_from(zeros_host);
+#if TESSERA_WITH_CUDA
+      cuda::fill_zero_bytes(raw_data(), nbytes());
+#endif
     }
     return;
   }
-  Tensor z = zeros(shape_, dtype_);
+  Tensor z = zeros(shape_, dtype_, device_);
   copy_from(z);
 }
 
