@@ -4,6 +4,9 @@
 
 #include "backend/cpu/attention.h"
 #include "dispatch.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/attention.h"
+#endif
 
 namespace tessera {
 
@@ -60,6 +63,15 @@ void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Ten
   const double scale = check_attention_inputs(op, q, k, v, lse, options);
   check_like(op, out, "out", q);
   check_on_device(ctx, op, {&q, &k, &v, &out, &lse});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::attention_supported(q, lse)) {
+      cuda::attention_forward(ctx.stream, q, k, v, out, lse, options.causal, static_cast<float>(scale));
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
   cpu::attention_forward(q, k, v, out, lse, options.causal, scale);
 }
@@ -75,6 +87,16 @@ void attention_backward(Context& ctx, const Tensor& d_out, const Tensor& q, cons
   check_like(op, dk, "dk", k);
   check_like(op, dv, "dv", k);
   check_on_device(ctx, op, {&d_out, &q, &k, &v, &out, &lse, &dq, &dk, &dv});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::attention_supported(q, lse)) {
+      cuda::attention_backward(ctx.stream, d_out, q, k, v, out, lse, dq, dk, dv, options.causal,
+                               static_cast<float>(scale));
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
   cpu::attention_backward(d_out, q, k, v, out, lse, dq, dk, dv, options.causal, scale);
 }

@@ -1,0 +1,52 @@
+// Scaled dot-product attention on the GPU (backend/cuda/attention_*.cu). Shapes, dtypes and
+// devices are checked by the front end (src/ops/attention.cpp); `scale` is the resolved
+// softmax scale (never 0). Layout as in include/tessera/ops/attention.h:
+//   q, out, d_out, dq [B, T, Hq, D];  k, v, dk, dv [B, S, Hkv, D];  lse [B, Hq, T].
+//
+// Two paths behind one entry point each:
+//  - fast (attention_fwd.cu, attention_bwd.cu): BF16 with D = 64 or 128, lse F32, 16-byte
+//    aligned pointers; FlashAttention-2-style tiles on the tensor cores (mma.sync);
+//  - generic (attention_generic.cu): every other floating dtype except F64 (F32, BF16,
+//    F16, E4M3, E5M2), any head dim, lse F32 or F64; plain CUDA cores, correct but slow.
+#pragma once
+
+#include <initializer_list>
+
+#include "tessera/core/tensor.h"
+
+namespace tessera::cuda {
+
+// Whether attention_forward / attention_backward below run these dtypes (everything
+// floating except F64 inputs).
+bool attention_supported(const Tensor& q, const Tensor& lse);
+
+void attention_forward(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                       bool causal, float scale);
+void attention_backward(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool causal,
+                        float scale);
+
+// ---- The pieces, for the dispatcher and for benchmarks that check one path against the other.
+
+// True when the tensor-core path takes these tensors.
+bool attention_fast_path(const Tensor& q, const Tensor& k, const Tensor& lse,
+                         std::initializer_list<const Tensor*> others);
+
+// variant: the tile shape (0: the default), for benchmarks; see attention_fwd.cu.
+void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                            Tensor& lse, bool causal, float scale, int variant = 0);
+void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool causal,
+                             float scale);
+
+void attention_forward_generic(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                               Tensor& lse, bool causal, float scale);
+void attention_backward_generic(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k,
+                                const Tensor& v, const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
+                                Tensor& dv, bool causal, float scale);
+
+// delta[b, h, t] = sum_d d_out[b, t, h, d] * out[b, t, h, d] in F32 (any dtype but F64);
+// delta is a contiguous F32 tensor of B * Hq * T elements. Shared by both backward paths.
+void attention_backward_delta(void* stream, const Tensor& d_out, const Tensor& out, Tensor& delta);
+
+}  // namespace tessera::cuda

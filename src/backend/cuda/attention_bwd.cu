@@ -1,0 +1,425 @@
+// Attention backward on the tensor cores, FlashAttention-2 style, for BF16 with head dim 64
+// or 128 (the gradients of attention_fwd.cu), plus the backward dispatcher. With
+// P = exp(scale * Q K^T - lse) rebuilt from the saved lse and Delta = rowsum(dO * O):
+//   dV = P^T dO,  dS = P * (dO V^T - Delta),  dK = scale * dS^T Q,  dQ = scale * dS K.
+//
+// Layout as in the forward: q, out, d_out, dq [B, T, Hq, D]; k, v, dk, dv [B, S, Hkv, D];
+// lse [B, Hq, T] F32; bottom-right causal alignment (query i sees keys j <= i + S - T).
+//
+// Three kernels, all deterministic (every output element has exactly one writer, no atomics):
+//  1. Delta (attention_generic.cu's attention_backward_delta) into an F32 scratch [B, Hq, T].
+//  2. dK/dV: one block of 8 warps per 128 keys of one (batch, kv head); each warp owns 16
+//     keys and keeps their dK, dV in FP32 registers while the block walks every query tile
+//     (64 rows) of every query head of the GQA group, double-buffered with cp.async.
+//     The warp computes S^T = K Q^T and dP^T = V dO^T (keys as the M dimension), so P^T
+//     and dS^T sit in registers already laid out as the A operand of dV += P^T dO and
+//     dK += dS^T Q: no shared-memory round trip for P.
+//  3. dQ: one block of 8 warps per 128 queries of one (batch, head), Q and dO in registers,
+//     walking the key/value tiles (64 keys) like the forward and accumulating dQ += dS K.
+//     It recomputes S and dP (2 of its 3 products), the price of determinism and of not
+//     needing an FP32 dQ scratch buffer.
+// Causal tiles that a warp cannot see are skipped; tiles on the diagonal or at the
+// sequence ends are masked.
+//
+// Floor: the 5 products FlashAttention-2 counts (2.5x the forward's FLOPs) over ~989
+// TFLOP/s; this split does 7 (dQ's pass recomputes 2), so 1.4x that count is executed.
+// Measured on the H200 (bench/attention_bench.cu, causal, FlashAttention's count):
+// B=4 H=32 T=4096 D=128 backward 206 TFLOP/s (288 executed), forward+backward 219
+// (PyTorch's FlashAttention-2 backend 269 / 293, cuDNN 453 / 475); B=16 H=12 T=1024 D=64
+// backward 132, forward+backward 147 (FA2 129 / 165). The D=128 dK/dV kernel spills ~50
+// bytes at 255 registers.
+#include <cuda_runtime.h>
+
+#include "attention.h"
+#include "attention_common.cuh"
+#include "cuda_check.h"
+
+namespace tessera::cuda {
+
+namespace {
+
+using namespace attn;
+
+constexpr int kBwdWarps = 8;
+constexpr int kBwdThreads = kBwdWarps * 32;
+
+// ---- dK / dV ------------------------------------------------------------------------------
+
+constexpr int kKVKeys = 16 * kBwdWarps;  // keys per block
+constexpr int kKVRows = 64;              // query rows per tile
+
+template <int D>
+constexpr int dkdv_smem_bytes() {
+  // K, V (once), then Q[2], dO[2], lse[2], Delta[2].
+  return 2 * kKVKeys * D * 2 + 4 * kKVRows * D * 2 + 4 * kKVRows * 4;
+}
+
+struct BwdParams {
+  const bf16_t* q;
+  const bf16_t* k;
+  const bf16_t* v;
+  const bf16_t* d_out;
+  const float* lse;
+  const float* delta;
+  bf16_t* dq;
+  bf16_t* dk;
+  bf16_t* dv;
+  int T, S, Hq, Hkv, group;
+  float scale;
+  float scale_log2;
+  bool causal;
+};
+
+template <int D>
+__global__ void __launch_bounds__(kBwdThreads, 1) attention_dkdv_kernel(const BwdParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int kKC = D / 16;
+  constexpr int kNT = kKVRows / 8;  // 8-query tiles of the warp's S^T
+  constexpr int kDT = D / 8;
+  constexpr uint32_t kRowTile = kKVRows * D * 2;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bkv = blockIdx.x, b = bkv / p.Hkv, kvh = bkv % p.Hkv;
+  const int k0 = blockIdx.y * kKVKeys;  // low key blocks see the most queries: launched first
+  const int T = p.T, S = p.S, diag = S - T;
+  const int64_t q_stride = static_cast<int64_t>(p.Hq) * D, kv_stride = static_cast<int64_t>(p.Hkv) * D;
+  const int64_t kv_offset = (static_cast<int64_t>(b) * S + k0) * kv_stride + static_cast<int64_t>(kvh) * D;
+
+  const uint32_t s_k = smem_u32(smem);
+  const uint32_t s_v = s_k + kKVKeys * D * 2;
+  const uint32_t s_q = s_v + kKVKeys * D * 2;
+  const uint32_t s_do = s_q + 2 * kRowTile;
+  const uint32_t s_stat = s_do + 2 * kRowTile;  // lse[2][rows], then Delta[2][rows]
+  const float* stat = reinterpret_cast<const float*>(smem + (s_stat - s_k));
+
+  // Queries [first_q, T) see at least one key of this block.
+  const int first_q = p.causal ? max(0, k0 - diag) : 0;
+  const int q_tiles = (T + kKVRows - 1) / kKVRows;
+  const int tile0 = first_q < T ? first_q / kKVRows : q_tiles;
+  const int per_head = q_tiles - tile0;
+  const int steps = per_head * p.group;
+
+  auto load_step = [&](int step, int buf) {
+    const int h = kvh * p.group + step / per_head;
+    const int q0 = (tile0 + step % per_head) * kKVRows;
+    const int64_t row_offset = (static_cast<int64_t>(b) * T + q0) * q_stride + static_cast<int64_t>(h) * D;
+    load_tile<D, kKVRows, kBwdThreads>(s_q + buf * kRowTile, p.q + row_offset, q_stride, T - q0, tid);
+    load_tile<D, kKVRows, kBwdThreads>(s_do + buf * kRowTile, p.d_out + row_offset, q_stride, T - q0, tid);
+    const int64_t stat_offset = (static_cast<int64_t>(b) * p.Hq + h) * T + q0;
+    load_floats(s_stat + buf * kKVRows * 4, p.lse + stat_offset, kKVRows, T - q0, tid, kBwdThreads);
+    load_floats(s_stat + (2 + buf) * kKVRows * 4, p.delta + stat_offset, kKVRows, T - q0, tid, kBwdThreads);
+  };
+
+  load_tile<D, kKVKeys, kBwdThreads>(s_k, p.k + kv_offset, kv_stride, S - k0, tid);
+  load_tile<D, kKVKeys, kBwdThreads>(s_v, p.v + kv_offset, kv_stride, S - k0, tid);
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+
+  const int w_key0 = k0 + warp * 16;  // the warp's first key
+  const int key_a = w_key0 + (lane >> 2), key_b = key_a + 8;
+
+  float dk[kDT][4], dv[kDT][4];
+#pragma unroll
+  for (int i = 0; i < kDT; ++i) {
+    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.0f;
+    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.0f;
+  }
+
+  for (int step = 0; step < steps; ++step) {
+    const int buf = step & 1;
+    if (step + 1 < steps) {
+      load_step(step + 1, buf ^ 1);
+      cp_async_commit();
+    }
+    const int q0 = (tile0 + step % per_head) * kKVRows;
+    const int q_last = min(q0 + kKVRows, T) - 1;
+    const bool active = w_key0 < S && (!p.causal || q_last + diag >= w_key0);
+    if (active) {
+      const uint32_t q_tile = s_q + buf * kRowTile, do_tile = s_do + buf * kRowTile;
+      float st[kNT][4], dpt[kNT][4];
+#pragma unroll
+      for (int i = 0; i < kNT; ++i) {
+        st[i][0] = st[i][1] = st[i][2] = st[i][3] = 0.0f;
+        dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.0f;
+      }
+#pragma unroll
+      for (int kc = 0; kc < kKC; ++kc) {
+        uint32_t ka[4], va[4];
+        ldmatrix_x4(ka, a_addr<D>(s_k, warp * 16, kc, lane));
+        ldmatrix_x4(va, a_addr<D>(s_v, warp * 16, kc, lane));
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+          uint32_t r[4];
+          ldmatrix_x4(r, b_addr<D>(q_tile, np * 16, kc, lane));
+          mma_bf16(st[2 * np], ka, r[0], r[1]);
+          mma_bf16(st[2 * np + 1], ka, r[2], r[3]);
+          ldmatrix_x4(r, b_addr<D>(do_tile, np * 16, kc, lane));
+          mma_bf16(dpt[2 * np], va, r[0], r[1]);
+          mma_bf16(dpt[2 * np + 1], va, r[2], r[3]);
+        }
+      }
+      const float* lse_s = stat + buf * kKVRows;
+      const float* delta_s = stat + (2 + buf) * kKVRows;
+      const bool need_mask = q0 + kKVRows > T || (p.causal && w_key0 + 15 > q0 + diag);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i_local = nt * 8 + 2 * (lane & 3) + (e & 1);
+          float pv = exp2_approx(st[nt][e] * p.scale_log2 - lse_s[i_local] * kLog2e);
+          if (need_mask) {
+            const int i = q0 + i_local, key = e < 2 ? key_a : key_b;
+            if (i >= T || (p.causal && key > i + diag)) pv = 0.0f;
+          }
+          st[nt][e] = pv;
+          dpt[nt][e] = pv * (dpt[nt][e] - delta_s[i_local]);
+        }
+      }
+#pragma unroll
+      for (int kc = 0; kc < kKVRows / 16; ++kc) {
+        uint32_t pa[4], da[4];
+        scores_to_a(pa, st[2 * kc], st[2 * kc + 1]);
+        scores_to_a(da, dpt[2 * kc], dpt[2 * kc + 1]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, bt_addr<D>(do_tile, kc * 16, dp, lane));
+          mma_bf16(dv[2 * dp], pa, r[0], r[1]);
+          mma_bf16(dv[2 * dp + 1], pa, r[2], r[3]);
+          ldmatrix_x4_trans(r, bt_addr<D>(q_tile, kc * 16, dp, lane));
+          mma_bf16(dk[2 * dp], da, r[0], r[1]);
+          mma_bf16(dk[2 * dp + 1], da, r[2], r[3]);
+        }
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+  }
+
+  const int col0 = 2 * (lane & 3);
+  const int64_t head = static_cast<int64_t>(kvh) * D + col0;
+  if (key_a < S) {
+    const int64_t row = (static_cast<int64_t>(b) * S + key_a) * kv_stride + head;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      *reinterpret_cast<uint32_t*>(p.dk + row + dt * 8) = pack_bf16(dk[dt][0] * p.scale, dk[dt][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(p.dv + row + dt * 8) = pack_bf16(dv[dt][0], dv[dt][1]);
+    }
+  }
+  if (key_b < S) {
+    const int64_t row = (static_cast<int64_t>(b) * S + key_b) * kv_stride + head;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      *reinterpret_cast<uint32_t*>(p.dk + row + dt * 8) = pack_bf16(dk[dt][2] * p.scale, dk[dt][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(p.dv + row + dt * 8) = pack_bf16(dv[dt][2], dv[dt][3]);
+    }
+  }
+}
+
+// ---- dQ -----------------------------------------------------------------------------------
+
+constexpr int kQRows = 16 * kBwdWarps;  // query rows per block
+constexpr int kQKeys = 64;              // keys per tile
+
+template <int D>
+constexpr int dq_smem_bytes() {
+  return 2 * kQRows * D * 2 + 4 * kQKeys * D * 2;  // Q, dO, then K[2], V[2]
+}
+
+template <int D>
+__global__ void __launch_bounds__(kBwdThreads, 1) attention_dq_kernel(const BwdParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int kKC = D / 16;
+  constexpr int kNT = kQKeys / 8;
+  constexpr int kDT = D / 8;
+  constexpr uint32_t kKVTile = kQKeys * D * 2;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bh = blockIdx.x, b = bh / p.Hq, h = bh % p.Hq, kvh = h / p.group;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kQRows;  // heaviest causal blocks first
+  const int T = p.T, S = p.S, diag = S - T;
+  const int64_t q_stride = static_cast<int64_t>(p.Hq) * D, kv_stride = static_cast<int64_t>(p.Hkv) * D;
+  const int64_t q_offset = (static_cast<int64_t>(b) * T + q0) * q_stride + static_cast<int64_t>(h) * D;
+  const bf16_t* k_base = p.k + static_cast<int64_t>(b) * S * kv_stride + static_cast<int64_t>(kvh) * D;
+  const bf16_t* v_base = p.v + static_cast<int64_t>(b) * S * kv_stride + static_cast<int64_t>(kvh) * D;
+
+  const uint32_t s_q = smem_u32(smem);
+  const uint32_t s_do = s_q + kQRows * D * 2;
+  const uint32_t s_k = s_do + kQRows * D * 2;
+  const uint32_t s_v = s_k + 2 * kKVTile;
+
+  const int last_row = min(q0 + kQRows, T) - 1;
+  const int kv_end = p.causal ? min(S, last_row + diag + 1) : S;
+  const int n_tiles = (kv_end + kQKeys - 1) / kQKeys;
+
+  load_tile<D, kQRows, kBwdThreads>(s_q, p.q + q_offset, q_stride, T - q0, tid);
+  load_tile<D, kQRows, kBwdThreads>(s_do, p.d_out + q_offset, q_stride, T - q0, tid);
+  load_tile<D, kQKeys, kBwdThreads>(s_k, k_base, kv_stride, S, tid);
+  load_tile<D, kQKeys, kBwdThreads>(s_v, v_base, kv_stride, S, tid);
+  cp_async_commit();
+
+  const int w_row0 = warp * 16;
+  const int row_a = q0 + w_row0 + (lane >> 2), row_b = row_a + 8;
+  const int warp_first = q0 + w_row0;
+  const int warp_last = min(warp_first + 15, T - 1);
+  const bool warp_has_rows = warp_first < T;
+  const int64_t stat = static_cast<int64_t>(bh) * T;
+  const float lse_a = row_a < T ? p.lse[stat + row_a] * kLog2e : 0.0f;
+  const float lse_b = row_b < T ? p.lse[stat + row_b] * kLog2e : 0.0f;
+  const float delta_a = row_a < T ? p.delta[stat + row_a] : 0.0f;
+  const float delta_b = row_b < T ? p.delta[stat + row_b] : 0.0f;
+
+  cp_async_wait_all();
+  __syncthreads();
+
+  uint32_t qa[kKC][4], doa[kKC][4];
+#pragma unroll
+  for (int kc = 0; kc < kKC; ++kc) {
+    ldmatrix_x4(qa[kc], a_addr<D>(s_q, w_row0, kc, lane));
+    ldmatrix_x4(doa[kc], a_addr<D>(s_do, w_row0, kc, lane));
+  }
+
+  float dq[kDT][4];
+#pragma unroll
+  for (int i = 0; i < kDT; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f;
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int buf = n & 1;
+    const int k0 = n * kQKeys;
+    if (n + 1 < n_tiles) {
+      const int64_t next = static_cast<int64_t>(k0 + kQKeys) * kv_stride;
+      load_tile<D, kQKeys, kBwdThreads>(s_k + (buf ^ 1) * kKVTile, k_base + next, kv_stride, S - k0 - kQKeys, tid);
+      load_tile<D, kQKeys, kBwdThreads>(s_v + (buf ^ 1) * kKVTile, v_base + next, kv_stride, S - k0 - kQKeys, tid);
+      cp_async_commit();
+    }
+    const bool active = warp_has_rows && (!p.causal || k0 <= warp_last + diag);
+    if (active) {
+      const uint32_t k_tile = s_k + buf * kKVTile, v_tile = s_v + buf * kKVTile;
+      float s[kNT][4], dp[kNT][4];
+#pragma unroll
+      for (int i = 0; i < kNT; ++i) {
+        s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+        dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.0f;
+      }
+#pragma unroll
+      for (int kc = 0; kc < kKC; ++kc) {
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+          uint32_t r[4];
+          ldmatrix_x4(r, b_addr<D>(k_tile, np * 16, kc, lane));
+          mma_bf16(s[2 * np], qa[kc], r[0], r[1]);
+          mma_bf16(s[2 * np + 1], qa[kc], r[2], r[3]);
+          ldmatrix_x4(r, b_addr<D>(v_tile, np * 16, kc, lane));
+          mma_bf16(dp[2 * np], doa[kc], r[0], r[1]);
+          mma_bf16(dp[2 * np + 1], doa[kc], r[2], r[3]);
+        }
+      }
+      const bool need_mask = k0 + kQKeys > S || (p.causal && k0 + kQKeys - 1 > warp_first + diag);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float pv = exp2_approx(s[nt][e] * p.scale_log2 - (e < 2 ? lse_a : lse_b));
+          if (need_mask) {
+            const int col = k0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+            const int row = e < 2 ? row_a : row_b;
+            if (col >= S || (p.causal && col > row + diag)) pv = 0.0f;
+          }
+          s[nt][e] = pv * (dp[nt][e] - (e < 2 ? delta_a : delta_b));  // dS
+        }
+      }
+#pragma unroll
+      for (int kc = 0; kc < kQKeys / 16; ++kc) {
+        uint32_t da[4];
+        scores_to_a(da, s[2 * kc], s[2 * kc + 1]);
+#pragma unroll
+        for (int dpi = 0; dpi < D / 16; ++dpi) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, bt_addr<D>(k_tile, kc * 16, dpi, lane));
+          mma_bf16(dq[2 * dpi], da, r[0], r[1]);
+          mma_bf16(dq[2 * dpi + 1], da, r[2], r[3]);
+        }
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+  }
+
+  const int col0 = 2 * (lane & 3);
+  if (row_a < T) {
+    bf16_t* dst = p.dq + (static_cast<int64_t>(b) * T + row_a) * q_stride + static_cast<int64_t>(h) * D + col0;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+      *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack_bf16(dq[dt][0] * p.scale, dq[dt][1] * p.scale);
+  }
+  if (row_b < T) {
+    bf16_t* dst = p.dq + (static_cast<int64_t>(b) * T + row_b) * q_stride + static_cast<int64_t>(h) * D + col0;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+      *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack_bf16(dq[dt][2] * p.scale, dq[dt][3] * p.scale);
+  }
+}
+
+template <int D>
+void launch_backward(cudaStream_t stream, const BwdParams& p, int64_t B) {
+  constexpr int kv_smem = dkdv_smem_bytes<D>(), q_smem = dq_smem_bytes<D>();
+  TESSERA_CUDA_CHECK(
+      cudaFuncSetAttribute(attention_dkdv_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
+  TESSERA_CUDA_CHECK(cudaFuncSetAttribute(attention_dq_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, q_smem));
+  const dim3 kv_grid(static_cast<unsigned>(B * p.Hkv), static_cast<unsigned>((p.S + kKVKeys - 1) / kKVKeys));
+  attention_dkdv_kernel<D><<<kv_grid, kBwdThreads, kv_smem, stream>>>(p);
+  TESSERA_CUDA_CHECK_LAUNCH();
+  const dim3 q_grid(static_cast<unsigned>(B * p.Hq), static_cast<unsigned>((p.T + kQRows - 1) / kQRows));
+  attention_dq_kernel<D><<<q_grid, kBwdThreads, q_smem, stream>>>(p);
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool causal,
+                             float scale) {
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
+  if (B == 0 || Hq == 0 || S == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (T == 0) {  // no query sees any key: the key gradients are zero
+    TESSERA_CUDA_CHECK(cudaMemsetAsync(dk.raw_data(), 0, dk.nbytes(), s));
+    TESSERA_CUDA_CHECK(cudaMemsetAsync(dv.raw_data(), 0, dv.nbytes(), s));
+    return;
+  }
+  // Scratch from the caching allocator: freed when this returns, reused in stream order.
+  Tensor delta = Tensor::empty({B * Hq * T}, DType::F32, q.device());
+  attention_backward_delta(stream, d_out, out, delta);
+  BwdParams p{static_cast<const bf16_t*>(q.raw_data()),
+              static_cast<const bf16_t*>(k.raw_data()),
+              static_cast<const bf16_t*>(v.raw_data()),
+              static_cast<const bf16_t*>(d_out.raw_data()),
+              lse.data<float>(),
+              delta.data<float>(),
+              static_cast<bf16_t*>(dq.raw_data()),
+              static_cast<bf16_t*>(dk.raw_data()),
+              static_cast<bf16_t*>(dv.raw_data()),
+              static_cast<int>(T),
+              static_cast<int>(S),
+              static_cast<int>(Hq),
+              static_cast<int>(Hkv),
+              static_cast<int>(Hq / Hkv),
+              scale,
+              scale * kLog2e,
+              causal};
+  if (D == 64) launch_backward<64>(s, p, B);
+  else launch_backward<128>(s, p, B);
+}
+
+void attention_backward(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool causal,
+                        float scale) {
+  if (attention_fast_path(q, k, lse, {&v, &d_out, &out, &dq, &dk, &dv}))
+    attention_backward_fast(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale);
+  else
+    attention_backward_generic(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale);
+}
+
+}  // namespace tessera::cuda
