@@ -60,9 +60,10 @@ void cast(Context& ctx, const Tensor& in, Tensor& out) {
   check_on_device(ctx, op, {&in, &out});
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
-    cuda::cast(ctx.stream, in, out);
+    cuda::cast(ctx.stream, in, out);  // every dtype pair
     return;
 #endif
+    fail_no_kernel(op, ctx);
   }
   cpu::cast(in, out);
 }
@@ -75,7 +76,15 @@ void transpose_2d(Context& ctx, const Tensor& in, Tensor& out) {
   check_shape(out, {in.size(1), in.size(0)}, op, "out");
   check_dtype(out, in.dtype(), op, "out");
   check_on_device(ctx, op, {&in, &out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::transpose_2d_supported(in)) {
+      cuda::transpose_2d(ctx.stream, in, out);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::transpose_2d(in, out);
 }
 

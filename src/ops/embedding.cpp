@@ -2,6 +2,10 @@
 
 #include "backend/cpu/embedding.h"
 #include "dispatch.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/embedding.h"
+#include "backend/cuda/index_error.h"
+#endif
 
 namespace tessera {
 namespace {
@@ -31,7 +35,17 @@ void embedding_forward(Context& ctx, const Tensor& ids, const Tensor& table, Ten
   TESSERA_CHECK(table.dim() == 2, op, ": table must be 2-D [V, C], got ", table.describe());
   check_shape(out, embedded_shape(ids, table.size(1)), op, "out");
   check_on_device(ctx, op, {&ids, &table, &out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    // Bad ids are checked inside the kernels and reported here by the next call.
+    cuda::raise_pending_index_error(ctx.device.index, ctx.stream, op);
+    if (cuda::embedding_forward_supported(table, out)) {
+      cuda::embedding_forward(ctx.stream, ids, table, out);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::embedding_forward(ids, table, out);
 }
 
@@ -45,7 +59,16 @@ void embedding_backward(Context& ctx, const Tensor& ids, const Tensor& d_out, Te
   TESSERA_CHECK(d_table.dim() == 2, op, ": d_table must be 2-D [V, C], got ", d_table.describe());
   check_shape(d_out, embedded_shape(ids, d_table.size(1)), op, "d_out");
   check_on_device(ctx, op, {&ids, &d_out, &d_table});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    cuda::raise_pending_index_error(ctx.device.index, ctx.stream, op);
+    if (cuda::embedding_backward_supported(d_out, d_table)) {
+      cuda::embedding_backward(ctx.stream, ids, d_out, d_table);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::embedding_backward(ids, d_out, d_table);
 }
 

@@ -6,6 +6,7 @@
 #include "dispatch.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/reduce.h"
 #endif
 
 namespace tessera {
@@ -80,7 +81,15 @@ void bias_grad(Context& ctx, const Tensor& dy, Tensor& dbias) {
   TESSERA_CHECK(dy.dim() == 2, op, ": dy must be 2-D [M, N], got ", dy.describe());
   check_shape(dbias, {dy.size(1)}, op, "dbias");
   check_on_device(ctx, op, {&dy, &dbias});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::bias_grad_supported(dy, dbias)) {
+      cuda::bias_grad(ctx.stream, dy, dbias);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::bias_grad(dy, dbias);
 }
 
@@ -93,7 +102,15 @@ void sum_of_squares(Context& ctx, const Tensor& x, Tensor& out) {
                 out.describe());
   check_shape(out, {1}, op, "out");
   check_on_device(ctx, op, {&x, &out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::sum_of_squares_supported(x, out)) {
+      cuda::sum_of_squares(ctx.stream, x, out);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::sum_of_squares(x, out);
 }
 

@@ -2,6 +2,10 @@
 
 #include "backend/cpu/loss.h"
 #include "dispatch.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/index_error.h"
+#include "backend/cuda/loss.h"
+#endif
 
 namespace tessera {
 namespace {
@@ -38,7 +42,17 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& tar
   check_shape(loss, {1}, op, "loss");
   check_lse(logits, lse, op);
   check_on_device(ctx, op, {&logits, &targets, &loss, &lse});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    // Bad targets are checked inside the kernels and reported here by the next call.
+    cuda::raise_pending_index_error(ctx.device.index, ctx.stream, op);
+    if (cuda::cross_entropy_forward_supported(logits, loss, lse)) {
+      cuda::cross_entropy_forward(ctx.stream, logits, targets, loss, lse, options.ignore_index);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::cross_entropy_forward(logits, targets, loss, lse, options);
 }
 
@@ -51,7 +65,16 @@ void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& ta
   check_floating(d_logits, op, "d_logits");
   check_shape(d_logits, logits.shape(), op, "d_logits");
   check_on_device(ctx, op, {&logits, &targets, &lse, &d_logits});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    cuda::raise_pending_index_error(ctx.device.index, ctx.stream, op);
+    if (cuda::cross_entropy_backward_supported(logits, lse, d_logits)) {
+      cuda::cross_entropy_backward(ctx.stream, logits, targets, lse, d_loss, d_logits, options.ignore_index);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::cross_entropy_backward(logits, targets, lse, d_loss, d_logits, options);
 }
 

@@ -2,6 +2,9 @@
 
 #include "backend/cpu/optimizer.h"
 #include "dispatch.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/optimizer.h"
+#endif
 
 namespace tessera {
 namespace {
@@ -41,7 +44,15 @@ void adamw_step(Context& ctx, Tensor& param, const Tensor& grad, Tensor& exp_avg
   TESSERA_CHECK(options.beta1 >= 0.0f && options.beta1 < 1.0f, op, ": beta1 must be in [0, 1), got ", options.beta1);
   TESSERA_CHECK(options.beta2 >= 0.0f && options.beta2 < 1.0f, op, ": beta2 must be in [0, 1), got ", options.beta2);
   check_on_device(ctx, op, {&param, &grad, &exp_avg, &exp_avg_sq});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::adamw_step_supported(param, grad)) {
+      cuda::adamw_step(ctx.stream, param, grad, exp_avg, exp_avg_sq, options);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::adamw_step(param, grad, exp_avg, exp_avg_sq, options);
 }
 

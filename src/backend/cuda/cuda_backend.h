@@ -30,6 +30,11 @@ void gelu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx);
 void swiglu_forward(void* stream, const Tensor& x, Tensor& y);
 void swiglu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx);
 
+// 2-D transpose (backend/cuda/elementwise.cu): any dtype of 1, 2, 4 or 8 bytes, moved as
+// raw bits through shared-memory tiles.
+bool transpose_2d_supported(const Tensor& in);
+void transpose_2d(void* stream, const Tensor& in, Tensor& out);
+
 // Softmax over the last dimension (backend/cuda/softmax.cu); same dtype rule as above.
 void softmax_forward(void* stream, const Tensor& x, Tensor& y);
 void softmax_backward(void* stream, const Tensor& y, const Tensor& dy, Tensor& dx);

@@ -1,6 +1,7 @@
 // Elementwise kernels on the GPU: residual add, scale, GELU (tanh) and SwiGLU, forward and
 // backward. Same formulas as the CPU reference (backend/cpu/{elementwise,activation}.cpp),
-// computed in float; every operand F32, or every operand BF16.
+// computed in float; every operand F32, or every operand BF16. Also the 2-D transpose
+// copy of any 1-, 2-, 4- or 8-byte dtype (see transpose_kernel).
 //
 // Layout: contiguous tensors; SwiGLU's input rows are [gate | up], each F wide. One thread
 // per output element, grid-stride. These are memory-bound: the floor is bytes moved over
@@ -83,6 +84,33 @@ dim3 grid_for(int64_t n) {
   return dim3(static_cast<unsigned>(blocks < 65535 ? (blocks > 0 ? blocks : 1) : 65535));
 }
 
+// out[j, i] = in[i, j] as raw bits. A 32 x 8 block moves one 32 x 32 tile at a time through
+// shared memory (padded a column against bank conflicts), so both the reads of `in` and
+// the writes of `out` run along rows: a warp touches 32 consecutive elements of each.
+// Tiles are numbered row-major over the tile grid and strided over the blocks, so any
+// shape fits one launch. Floor: 2 * numel * bytes / 4.1 TB/s; 1- and 2-byte elements move
+// 32 or 64 bytes per warp access and stay below it.
+constexpr int kTile = 32, kTileRows = 8;
+
+template <typename T>
+__global__ void transpose_kernel(const T* in, T* out, int64_t rows, int64_t cols) {
+  __shared__ T tile[kTile][kTile + 1];
+  const int64_t row_tiles = (rows + kTile - 1) / kTile, col_tiles = (cols + kTile - 1) / kTile;
+  for (int64_t t = blockIdx.x; t < row_tiles * col_tiles; t += gridDim.x) {
+    const int64_t r0 = (t / col_tiles) * kTile, c0 = (t % col_tiles) * kTile;
+    for (int k = threadIdx.y; k < kTile; k += kTileRows) {
+      const int64_t r = r0 + k, c = c0 + threadIdx.x;
+      if (r < rows && c < cols) tile[k][threadIdx.x] = in[r * cols + c];
+    }
+    __syncthreads();
+    for (int k = threadIdx.y; k < kTile; k += kTileRows) {
+      const int64_t out_row = c0 + k, out_col = r0 + threadIdx.x;  // out is [cols, rows]
+      if (out_row < cols && out_col < rows) out[out_row * rows + out_col] = tile[threadIdx.x][k];
+    }
+    __syncthreads();  // the tile is refilled by the next iteration
+  }
+}
+
 // Runs fn with a typed null pointer selecting the storage type of `t` (F32 or BF16).
 template <typename Fn>
 void dispatch_storage(const Tensor& t, const char* op, Fn&& fn) {
@@ -161,6 +189,36 @@ void swiglu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx
     swiglu_backward_kernel<T><<<grid_for(rows * f), 256, 0, static_cast<cudaStream_t>(stream)>>>(
         x.data<T>(), dy.data<T>(), dx.data<T>(), rows, f);
   });
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
+
+bool transpose_2d_supported(const Tensor& in) {
+  const size_t es = dtype_size(in.dtype());
+  return es == 1 || es == 2 || es == 4 || es == 8;
+}
+
+void transpose_2d(void* stream, const Tensor& in, Tensor& out) {
+  const int64_t rows = in.size(0), cols = in.size(1);
+  if (rows == 0 || cols == 0) return;
+  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+  const unsigned blocks = static_cast<unsigned>(tiles < (1 << 20) ? tiles : (1 << 20));
+  const dim3 block(kTile, kTileRows);
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (dtype_size(in.dtype())) {
+    case 1:
+      transpose_kernel<<<blocks, block, 0, s>>>(in.data<uint8_t>(), out.data<uint8_t>(), rows, cols);
+      break;
+    case 2:
+      transpose_kernel<<<blocks, block, 0, s>>>(in.data<uint16_t>(), out.data<uint16_t>(), rows, cols);
+      break;
+    case 4:
+      transpose_kernel<<<blocks, block, 0, s>>>(in.data<uint32_t>(), out.data<uint32_t>(), rows, cols);
+      break;
+    case 8:
+      transpose_kernel<<<blocks, block, 0, s>>>(in.data<uint64_t>(), out.data<uint64_t>(), rows, cols);
+      break;
+    default: TESSERA_FAIL("transpose_2d on CUDA: no kernel for ", dtype_name(in.dtype()));
+  }
   TESSERA_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,107 @@
+// Device-side helpers shared by the embedding, loss, optimizer, reduction and transpose
+// kernels: F32/BF16 element access in float, and 8-element vectors moved as 16-byte
+// loads and stores (two for F32, one for BF16). CUDA-only (included by .cu files).
+//
+// Eight elements is the one vector width for both storage types, so a kernel with mixed
+// operands (BF16 in, F32 out) still moves every operand in whole 16-byte transactions;
+// the precondition is that each operand's pointer is 16-byte aligned at the vector start.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "tessera/core/dtype.h"
+#include "tessera/core/error.h"
+#include "tessera/core/numeric.h"
+
+namespace tessera::cuda::vec {
+
+constexpr int kWidth = 8;  // elements per vector
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(bf16 v) { return v.to_float(); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ bf16 from_float<bf16>(float v) {
+  return bf16::from_float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ float load(const T* p, int64_t i) {
+  return to_float(p[i]);
+}
+template <typename T>
+__device__ __forceinline__ void store(T* p, int64_t i, float v) {
+  p[i] = from_float<T>(v);
+}
+
+__host__ __device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// v[0..7] = p[0..7]; p 16-byte aligned.
+__device__ __forceinline__ void load8(const float* p, float (&v)[kWidth]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const bf16* p, float (&v)[kWidth]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = bits_float(w[k] << 16);
+    v[2 * k + 1] = bits_float(w[k] & 0xffff0000u);
+  }
+}
+
+// p[0..7] = v[0..7] rounded to T; p 16-byte aligned.
+__device__ __forceinline__ void store8(float* p, const float (&v)[kWidth]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void store8(bf16* p, const float (&v)[kWidth]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    w[k] = static_cast<uint32_t>(float_to_bf16_bits(v[2 * k])) |
+           (static_cast<uint32_t>(float_to_bf16_bits(v[2 * k + 1])) << 16);
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Elements to skip from p before it is 16-byte aligned (p is aligned to its element size).
+template <typename T>
+__device__ __forceinline__ int64_t misalignment_head(const T* p) {
+  const uintptr_t off = reinterpret_cast<uintptr_t>(p) & 15u;
+  return off == 0 ? 0 : static_cast<int64_t>((16u - off) / sizeof(T));
+}
+
+// Grid-stride range of the whole grid, one thread per element.
+#define TESSERA_VEC_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
+
+// Runs fn with a typed null pointer for an F32 (float) or BF16 (bf16) tensor dtype.
+template <typename Fn>
+void dispatch(DType t, const char* op, Fn&& fn) {
+  if (t == DType::F32) fn(static_cast<float*>(nullptr));
+  else if (t == DType::BF16) fn(static_cast<bf16*>(nullptr));
+  else TESSERA_FAIL(op, " on CUDA: dtype ", dtype_name(t), " has no kernel (F32, BF16)");
+}
+
+inline bool is_f32_or_bf16(DType t) { return t == DType::F32 || t == DType::BF16; }
+
+// Blocks for n elements at `per_block` elements each, at least 1, capped for grid-stride loops.
+inline unsigned blocks_for(int64_t n, int64_t per_block, int64_t cap = 65535) {
+  int64_t b = (n + per_block - 1) / per_block;
+  if (b < 1) b = 1;
+  if (b > cap) b = cap;
+  return static_cast<unsigned>(b);
+}
+
+}  // namespace tessera::cuda::vec

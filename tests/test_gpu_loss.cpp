@@ -1,0 +1,200 @@
+// CUDA cross-entropy forward and backward against the CPU reference: F32 and BF16 logits,
+// I32 and I64 targets, vocabularies from 1 to Llama-3's 128256 and GPT-2's odd 50257,
+// misaligned rows (scalar head and tail of the vectorised walk), ignored rows (also with
+// ignore_index inside the vocabulary), a batch of pure padding, masked (-inf) and NaN
+// logits, large logits, mixed-dtype and in-place gradients, F32 and F64 losses, and bad
+// targets reported at the next call. Outputs poisoned first. Skipped without a GPU.
+#include <cmath>
+#include <string>
+
+#include "tessera/core/allocator.h"
+#include "tessera/ops/loss.h"
+#include "testing.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+#define REQUIRE_GPU() \
+  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
+
+namespace {
+
+const Device kCuda = Device::cuda();
+
+Tensor to_device(const Tensor& host, bool misaligned) {
+  if (!misaligned) return host.to(kCuda);
+  Tensor buffer = Tensor::zeros({host.numel() + 1}, host.dtype(), kCuda);
+  Tensor view = buffer.slice(0, 1, host.numel() + 1).reshape(host.shape());
+  view.copy_from(host);
+  return view;
+}
+
+Tensor poisoned_device(const Shape& shape, DType t) {
+  Tensor host = Tensor::empty(shape, t);
+  poison(host);
+  return host.to(kCuda);
+}
+
+// Targets in [0, vocab), every fourth row ignore_index.
+Tensor make_targets(int64_t rows, int64_t vocab, DType t, uint64_t seed, int64_t ignore_index = -100) {
+  Tensor u = random_tensor({rows}, DType::F64, seed, 0.0f, 1.0f);
+  std::vector<int64_t> v(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i)
+    v[i] = i % 4 == 2 ? ignore_index : std::min<int64_t>(vocab - 1, static_cast<int64_t>(u.item(i) * vocab));
+  return Tensor::from_ints(v, {rows}, t);
+}
+
+// NaN exactly where the reference has NaN, and a small relative error elsewhere.
+void expect_close(const Tensor& got_device, const Tensor& want, double tol, const std::string& what) {
+  const std::vector<double> got = got_device.to(Device::cpu()).to_doubles(), ref = want.to_doubles();
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  std::vector<double> g, r;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(ref[i])) {
+      EXPECT_TRUE(std::isnan(got[i])) << what << ": element " << i << " should be NaN, got " << got[i];
+      continue;
+    }
+    g.push_back(got[i]);
+    r.push_back(ref[i]);
+  }
+  EXPECT_LT(relative_error(g, r), tol) << what;
+}
+
+double tolerance(DType t) { return t == DType::BF16 ? 1e-2 : 1e-5; }
+
+}  // namespace
+
+TEST(GpuCrossEntropy, MatchesTheCpuReference) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  uint64_t seed = 300;
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 1},  {3, 5},     {17, 7},     {64, 1000},
+                                               {9, 50257}, {4, 128256}, {0, 10},   {6, 4099}};
+  for (DType t : {DType::F32, DType::BF16}) {
+    for (auto [rows, vocab] : shapes) {
+      for (bool misaligned : {false, true}) {
+        const DType target_t = seed % 2 ? DType::I64 : DType::I32;
+        const std::string what = std::string(dtype_name(t)) + " [" + std::to_string(rows) + ", " +
+                                 std::to_string(vocab) + "]" + (misaligned ? " misaligned" : "");
+        Tensor logits = random_tensor({rows, vocab}, t, seed++, -8.0f, 8.0f);
+        const Tensor targets = make_targets(rows, vocab, target_t, seed++);
+        if (rows >= 4 && vocab >= 3) {
+          // Row 0: masked entries (not its target), so threads start from -inf; row 3: one dominant logit.
+          for (int64_t v = 0; v < vocab - 1; v += 2)
+            if (v != targets.item(0)) logits.set_item(v, -INFINITY);
+          logits.set_item(3 * vocab + vocab / 2, 40.0f);
+        }
+        const Tensor logits_d = to_device(logits, misaligned), targets_d = targets.to(kCuda);
+
+        Tensor loss = Tensor::empty({1}, DType::F32), lse = Tensor::empty({rows}, DType::F32);
+        cross_entropy_forward(cpu, logits, targets, loss, lse);
+        Tensor loss_d = poisoned_device({1}, DType::F32), lse_d = poisoned_device({rows}, DType::F32);
+        cross_entropy_forward(gpu, logits_d, targets_d, loss_d, lse_d);
+        expect_close(lse_d, lse, 1e-5, "lse " + what);
+        expect_close(loss_d, loss, 1e-5, "loss " + what);
+        Tensor loss64 = Tensor::empty({1}, DType::F64), loss64_d = poisoned_device({1}, DType::F64);
+        cross_entropy_forward(cpu, logits, targets, loss64, lse);
+        cross_entropy_forward(gpu, logits_d, targets_d, loss64_d, lse_d);
+        expect_close(loss64_d, loss64, 1e-5, "f64 loss " + what);
+
+        const float d_loss = 0.75f;
+        for (DType out_t : {t, DType::F32}) {
+          Tensor want = Tensor::empty({rows, vocab}, out_t);
+          cross_entropy_backward(cpu, logits, targets, lse, d_loss, want);
+          Tensor got = poisoned_device({rows, vocab}, out_t);
+          cross_entropy_backward(gpu, logits_d, targets_d, lse_d, d_loss, got);
+          expect_close(got, want, tolerance(out_t), std::string("d_logits ") + dtype_name(out_t) + " " + what);
+        }
+        // In place: the gradient replaces the logits.
+        Tensor want = Tensor::empty({rows, vocab}, t);
+        cross_entropy_backward(cpu, logits, targets, lse, d_loss, want);
+        Tensor in_place = to_device(logits, misaligned);
+        cross_entropy_backward(gpu, in_place, targets_d, lse_d, d_loss, in_place);
+        expect_close(in_place, want, tolerance(t), "in-place d_logits " + what);
+      }
+    }
+  }
+}
+
+TEST(GpuCrossEntropy, IgnoreIndexInsideTheVocabularyAndAllIgnored) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  const int64_t rows = 12, vocab = 33;
+  Tensor logits = random_tensor({rows, vocab}, DType::F32, 400, -3.0f, 3.0f);
+  for (int64_t ignore : {int64_t{5}, int64_t{-100}}) {
+    const Tensor targets = make_targets(rows, vocab, DType::I64, 401, ignore);
+    Tensor loss = Tensor::empty({1}, DType::F32), lse = Tensor::empty({rows}, DType::F32);
+    cross_entropy_forward(cpu, logits, targets, loss, lse, {.ignore_index = ignore});
+    Tensor loss_d = poisoned_device({1}, DType::F32), lse_d = poisoned_device({rows}, DType::F32);
+    cross_entropy_forward(gpu, logits.to(kCuda), targets.to(kCuda), loss_d, lse_d, {.ignore_index = ignore});
+    expect_close(loss_d, loss, 1e-5, "loss, ignore_index " + std::to_string(ignore));
+    Tensor want = Tensor::empty({rows, vocab}, DType::F32), got = poisoned_device({rows, vocab}, DType::F32);
+    cross_entropy_backward(cpu, logits, targets, lse, 1.0f, want, {.ignore_index = ignore});
+    cross_entropy_backward(gpu, logits.to(kCuda), targets.to(kCuda), lse_d, 1.0f, got, {.ignore_index = ignore});
+    expect_close(got, want, 1e-5, "d_logits, ignore_index " + std::to_string(ignore));
+  }
+  // Pure padding: loss 0, gradient 0, even over NaN logits.
+  logits.set_item(7, NAN);
+  const Tensor all_ignored = Tensor::from_ints(std::vector<int64_t>(rows, -100), {rows}, DType::I32);
+  Tensor loss_d = poisoned_device({1}, DType::F32), lse_d = poisoned_device({rows}, DType::F32);
+  cross_entropy_forward(gpu, logits.to(kCuda), all_ignored.to(kCuda), loss_d, lse_d);
+  EXPECT_EQ(loss_d.to(Device::cpu()).item(0), 0.0);
+  Tensor got = poisoned_device({rows, vocab}, DType::F32);
+  cross_entropy_backward(gpu, logits.to(kCuda), all_ignored.to(kCuda), lse_d, 1.0f, got);
+  for (double v : got.to(Device::cpu()).to_doubles()) EXPECT_EQ(v, 0.0);
+}
+
+TEST(GpuCrossEntropy, NanMaskedAndLargeLogits) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  const int64_t rows = 4, vocab = 1031;
+  Tensor logits = random_tensor({rows, vocab}, DType::F32, 500, -1e4f, 1e4f);  // large: must stay finite
+  logits.set_item(1 * vocab + 17, NAN);                                         // row 1: NaN
+  for (int64_t v = 0; v < vocab; ++v) logits.set_item(2 * vocab + v, -INFINITY);  // row 2: fully masked
+  const Tensor targets = Tensor::from_ints({3, 0, 5, 1030}, {rows}, DType::I32);
+  Tensor loss = Tensor::empty({1}, DType::F32), lse = Tensor::empty({rows}, DType::F32);
+  cross_entropy_forward(cpu, logits, targets, loss, lse);
+  Tensor loss_d = poisoned_device({1}, DType::F32), lse_d = poisoned_device({rows}, DType::F32);
+  cross_entropy_forward(gpu, logits.to(kCuda), targets.to(kCuda), loss_d, lse_d);
+  const Tensor lse_h = lse_d.to(Device::cpu());
+  EXPECT_TRUE(std::isfinite(lse_h.item(0)) && std::isfinite(lse_h.item(3)));
+  EXPECT_TRUE(std::isnan(lse_h.item(1)) && std::isnan(lse_h.item(2)));
+  EXPECT_TRUE(std::isnan(loss_d.to(Device::cpu()).item(0)));  // as on the CPU: a NaN row poisons the mean
+  expect_close(lse_d, lse, 1e-6, "lse");
+  Tensor want = Tensor::empty({rows, vocab}, DType::F32), got = poisoned_device({rows, vocab}, DType::F32);
+  cross_entropy_backward(cpu, logits, targets, lse, 1.0f, want);
+  cross_entropy_backward(gpu, logits.to(kCuda), targets.to(kCuda), lse_d, 1.0f, got);
+  expect_close(got, want, 1e-5, "d_logits");
+}
+
+TEST(GpuCrossEntropy, BadTargetsAreReportedByTheNextCall) {
+  REQUIRE_GPU();
+  Context gpu = Context::cuda();
+  const int64_t rows = 3, vocab = 10;
+  const Tensor logits = random_tensor({rows, vocab}, DType::F32, 600).to(kCuda);
+  const Tensor bad = Tensor::from_ints({1, 10, -100}, {rows}, DType::I32).to(kCuda);
+  const Tensor good = Tensor::from_ints({1, 2, 3}, {rows}, DType::I32).to(kCuda);
+  Tensor loss = Tensor::empty({1}, DType::F32, kCuda), lse = Tensor::empty({rows}, DType::F32, kCuda);
+  cross_entropy_forward(gpu, logits, bad, loss, lse);  // no throw here: no host sync
+  EXPECT_TRUE(std::isnan(loss.to(Device::cpu()).item(0)));
+  try {
+    cross_entropy_forward(gpu, logits, good, loss, lse);
+    ADD_FAILURE() << "the bad target was not reported";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("target 10"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("row 1"), std::string::npos) << msg;
+  }
+  EXPECT_NO_THROW(cross_entropy_forward(gpu, logits, good, loss, lse));
+
+  Tensor d = poisoned_device({rows, vocab}, DType::F32);
+  cross_entropy_backward(gpu, logits, bad, lse, 1.0f, d);
+  const Tensor dh = d.to(Device::cpu());
+  for (int64_t v = 0; v < vocab; ++v) {
+    EXPECT_TRUE(std::isnan(dh.item(vocab + v)));  // the bad row
+    EXPECT_EQ(dh.item(2 * vocab + v), 0.0);       // the ignored row
+    EXPECT_TRUE(std::isfinite(dh.item(v)));
+  }
+  EXPECT_THROW(cross_entropy_backward(gpu, logits, good, lse, 1.0f, d), Error);
+  EXPECT_NO_THROW(cross_entropy_backward(gpu, logits, good, lse, 1.0f, d));
+}
