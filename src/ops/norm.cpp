@@ -4,6 +4,9 @@
 
 #include "backend/cpu/norm.h"
 #include "dispatch.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/norm.h"
+#endif
 
 namespace tessera {
 namespace {
@@ -59,6 +62,15 @@ void layernorm_forward(Context& ctx, const Tensor& x, const Tensor& gamma, const
   check_row_stats(rstd, x, op, "rstd");
   check_eps(eps, op);
   check_on_device(ctx, op, {&x, &gamma, &beta, &y, &mean, &rstd});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::norm_supported({&x, &y}, {&gamma, &beta}, {&mean, &rstd})) {
+      cuda::layernorm_forward(ctx.stream, x, gamma, beta, eps, y, mean, rstd);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
   cpu::layernorm_forward(x, gamma, beta, eps, y, mean, rstd);
 }
@@ -75,6 +87,15 @@ void layernorm_backward(Context& ctx, const Tensor& dy, const Tensor& x, const T
   check_channel_vector(dgamma, cols, op, "dgamma");
   if (dbeta.defined()) check_channel_vector(dbeta, cols, op, "dbeta");
   check_on_device(ctx, op, {&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::norm_supported({&x, &dy, &dx}, {&gamma, &dgamma, &dbeta}, {&mean, &rstd})) {
+      cuda::layernorm_backward(ctx.stream, dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
   cpu::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
 }
@@ -87,6 +108,15 @@ void rmsnorm_forward(Context& ctx, const Tensor& x, const Tensor& gamma, float e
   check_row_stats(rstd, x, op, "rstd");
   check_eps(eps, op);
   check_on_device(ctx, op, {&x, &gamma, &y, &rstd});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::norm_supported({&x, &y}, {&gamma}, {&rstd})) {
+      cuda::rmsnorm_forward(ctx.stream, x, gamma, eps, y, rstd);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
   cpu::rmsnorm_forward(x, gamma, eps, y, rstd);
 }
@@ -101,6 +131,15 @@ void rmsnorm_backward(Context& ctx, const Tensor& dy, const Tensor& x, const Ten
   check_like_x(dx, x, op, "dx");
   check_channel_vector(dgamma, cols, op, "dgamma");
   check_on_device(ctx, op, {&dy, &x, &gamma, &rstd, &dx, &dgamma});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::norm_supported({&x, &dy, &dx}, {&gamma, &dgamma}, {&rstd})) {
+      cuda::rmsnorm_backward(ctx.stream, dy, x, gamma, rstd, dx, dgamma);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
   cpu::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma);
 }

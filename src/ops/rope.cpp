@@ -4,6 +4,9 @@
 
 #include "backend/cpu/rope.h"
 #include "dispatch.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/rope.h"
+#endif
 
 namespace tessera {
 namespace {
@@ -38,6 +41,15 @@ void rope_forward(Context& ctx, const Tensor& x, Tensor& y, const RopeOptions& o
   const char* op = "rope_forward";
   check_rope_arguments(x, "x", y, "y", options, op);
   check_on_device(ctx, op, {&x, &y});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::rope_supported(x, y)) {
+      cuda::rope_forward(ctx.stream, x, y, options);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
   cpu::rope_forward(x, y, options);
 }
@@ -46,6 +58,15 @@ void rope_backward(Context& ctx, const Tensor& dy, Tensor& dx, const RopeOptions
   const char* op = "rope_backward";
   check_rope_arguments(dy, "dy", dx, "dx", options, op);
   check_on_device(ctx, op, {&dy, &dx});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::rope_supported(dy, dx)) {
+      cuda::rope_backward(ctx.stream, dy, dx, options);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
   cpu::rope_backward(dy, dx, options);
 }

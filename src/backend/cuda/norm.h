@@ -1,0 +1,26 @@
+// LayerNorm and RMSNorm kernels on the GPU (backend/cuda/norm.cu). The op front end
+// (src/ops/norm.cpp) has already checked shapes, contiguity and devices; these functions
+// only launch. Same formulas, gradient rule and statistics dtype as the CPU reference.
+#pragma once
+
+#include <initializer_list>
+
+#include "tessera/core/tensor.h"
+
+namespace tessera::cuda {
+
+// Whether a kernel exists for these dtypes: every activation-shaped tensor (x, y, dy, dx)
+// F32, or every one BF16; each defined parameter-shaped tensor (gamma, beta, dgamma,
+// dbeta) F32 or BF16 on its own; every defined row statistic (mean, rstd) F32.
+bool norm_supported(std::initializer_list<const Tensor*> activations, std::initializer_list<const Tensor*> params,
+                    std::initializer_list<const Tensor*> stats);
+
+void layernorm_forward(void* stream, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& y,
+                       Tensor& mean, Tensor& rstd);
+void layernorm_backward(void* stream, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                        const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta);
+void rmsnorm_forward(void* stream, const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd);
+void rmsnorm_backward(void* stream, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                      Tensor& dx, Tensor& dgamma);
+
+}  // namespace tessera::cuda
