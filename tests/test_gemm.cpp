@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "backend/cpu/gemm.h"
+#include "tessera/ops/activation.h"
 #include "testing.h"
 
 using namespace tessera;
@@ -301,4 +302,32 @@ TEST(SumOfSquares, HandComputedAndAllDtypes) {
   EXPECT_THROW(sum_of_squares(ctx, x, out_bf16), Error);
   Tensor ints = Tensor::zeros({3}, DType::I32);
   EXPECT_THROW(sum_of_squares(ctx, ints, out), Error);
+}
+
+// The fused GELU variants are the GEMM followed by the activation, and reject beta != 0.
+TEST(GemmGelu, EqualsGemmThenActivation) {
+  Context ctx = Context::cpu();
+  const Tensor x = random_tensor({6, 10}, DType::F32, 1, -2, 2), w = random_tensor({12, 10}, DType::F32, 2);
+  const Tensor bias = random_tensor({12}, DType::F32, 3);
+  Tensor pre = Tensor::empty({6, 12}, DType::F32), y = Tensor::empty({6, 12}, DType::F32);
+  gemm_bias_gelu(ctx, x, w, bias, pre, y, {.transpose_b = true});
+  Tensor want_pre = Tensor::empty({6, 12}, DType::F32), want_y = Tensor::empty({6, 12}, DType::F32);
+  gemm(ctx, x, w, want_pre, {.transpose_b = true}, bias);
+  gelu_forward(ctx, want_pre, want_y);
+  EXPECT_EQ(relative_error(pre, want_pre), 0.0);
+  EXPECT_EQ(relative_error(y, want_y), 0.0);
+
+  const Tensor dy = random_tensor({6, 12}, DType::F32, 4);
+  Tensor dx = Tensor::empty({6, 10}, DType::F32), prod = Tensor::empty({6, 10}, DType::F32);
+  const Tensor pre2 = random_tensor({6, 10}, DType::F32, 5, -3, 3);
+  gemm_gelu_backward(ctx, dy, w, pre2, dx);
+  Tensor want_dx = Tensor::empty({6, 10}, DType::F32);
+  gemm(ctx, dy, w, prod);
+  gelu_backward(ctx, pre2, prod, want_dx);
+  EXPECT_EQ(relative_error(dx, want_dx), 0.0);
+
+  EXPECT_THROW(gemm_bias_gelu(ctx, x, w, bias, pre, y, {.transpose_b = true, .beta = 1}), Error);
+  EXPECT_THROW(gemm_bias_gelu(ctx, x, w, bias, pre, pre, {.transpose_b = true}), Error);  // overlap
+  Tensor wrong = Tensor::empty({6, 11}, DType::F32);
+  EXPECT_THROW(gemm_bias_gelu(ctx, x, w, bias, wrong, y, {.transpose_b = true}), Error);
 }

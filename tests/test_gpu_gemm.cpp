@@ -1,6 +1,8 @@
 // cuBLASLt GEMM against the CPU reference on random data: every transpose combination,
 // odd sizes, alpha/beta, bias, F32 and BF16. Outputs are poisoned with NaN first.
 // Skipped (saying so) where no GPU is present.
+#include <tuple>
+
 #include "tessera/core/allocator.h"
 #include "tessera/ops/gemm.h"
 #include "testing.h"
@@ -61,4 +63,62 @@ TEST(GpuGemm, UnsupportedDtypesAreAClearError) {
   EXPECT_THROW(gemm(gpu, f32, f32, bf16), Error);
   Tensor host = Tensor::zeros({4, 4}, DType::F32);
   EXPECT_THROW(gemm(gpu, host, host, c), Error);  // operands on another device
+}
+
+// The GELU epilogues (cuBLASLt GELU_AUX_BIAS / DGELU for BF16, GEMM + activation kernel
+// otherwise) against the CPU reference, which is the GEMM followed by gelu_forward /
+// gelu_backward. Sizes include ones the epilogue cannot take (N not a multiple of 8).
+TEST(GpuGemm, GeluEpiloguesMatchTheCpuReference) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  uint64_t seed = 900;
+  for (DType t : {DType::BF16, DType::F32}) {
+    for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{64, 256, 96}, {37, 3072, 768}, {5, 100, 33}}) {
+      const std::string what = std::string(dtype_name(t)) + " " + std::to_string(m) + "x" + std::to_string(n) + "x" +
+                               std::to_string(k);
+      const Tensor x = random_tensor({m, k}, t, seed++, -2, 2), w = random_tensor({n, k}, t, seed++, -0.2f, 0.2f);
+      const Tensor bias = random_tensor({n}, t, seed++);
+      for (bool with_bias : {true, false}) {
+        const Tensor b = with_bias ? bias : Tensor();
+        Tensor pre_cpu = Tensor::empty({m, n}, t), y_cpu = Tensor::empty({m, n}, t);
+        gemm_bias_gelu(cpu, x, w, b, pre_cpu, y_cpu, {.transpose_b = true});
+        Tensor pre_gpu = Tensor::empty({m, n}, t), y_gpu = Tensor::empty({m, n}, t);
+        poison(pre_gpu);
+        poison(y_gpu);
+        pre_gpu = pre_gpu.to(Device::cuda());
+        y_gpu = y_gpu.to(Device::cuda());
+        gemm_bias_gelu(gpu, x.to(Device::cuda()), w.to(Device::cuda()), with_bias ? bias.to(Device::cuda()) : Tensor(),
+                       pre_gpu, y_gpu, {.transpose_b = true});
+        const double tol = t == DType::BF16 ? 1e-2 : 1e-5;
+        EXPECT_LT(relative_error(pre_gpu.to(Device::cpu()), pre_cpu), tol) << what << " pre";
+        EXPECT_LT(relative_error(y_gpu.to(Device::cpu()), y_cpu), tol) << what << " gelu";
+      }
+      // Backward: d_pre = (dy W) * gelu'(pre), with dy [m, k'] = [m, n_out] and W [n_out, n].
+      const Tensor pre = random_tensor({m, n}, t, seed++, -3, 3);
+      const Tensor dy = random_tensor({m, k}, t, seed++), w2 = random_tensor({k, n}, t, seed++, -0.2f, 0.2f);
+      Tensor d_cpu = Tensor::empty({m, n}, t);
+      gemm_gelu_backward(cpu, dy, w2, pre, d_cpu);
+      Tensor d_gpu = Tensor::empty({m, n}, t);
+      poison(d_gpu);
+      d_gpu = d_gpu.to(Device::cuda());
+      gemm_gelu_backward(gpu, dy.to(Device::cuda()), w2.to(Device::cuda()), pre.to(Device::cuda()), d_gpu);
+      EXPECT_LT(relative_error(d_gpu.to(Device::cpu()), d_cpu), t == DType::BF16 ? 1.5e-2 : 1e-5) << what << " backward";
+    }
+  }
+}
+
+// The plan cache keys on shape and alignment, not on pointers: the same shape with fresh
+// buffers (and an offset view, so a different alignment) must still be right.
+TEST(GpuGemm, CachedPlansServeNewBuffers) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  for (int round = 0; round < 3; ++round) {
+    const Tensor a = random_tensor({48, 64}, DType::BF16, 70 + round), b = random_tensor({64, 40}, DType::BF16, 80 + round);
+    Tensor want = Tensor::empty({48, 40}, DType::F32);
+    gemm(cpu, a, b, want);
+    Tensor big = Tensor::zeros({48 * 40 + 2}, DType::F32, Device::cuda());
+    Tensor got = big.slice(0, round == 2 ? 1 : 0, (round == 2 ? 1 : 0) + 48 * 40).reshape({48, 40});
+    gemm(gpu, a.to(Device::cuda()), b.to(Device::cuda()), got);
+    EXPECT_LT(relative_error(got.to(Device::cpu()), want), 1e-5) << "round " << round;
+  }
 }

@@ -1,6 +1,7 @@
 #include "tessera/nn/mlp.h"
 
 #include "tessera/ops/activation.h"
+#include "tessera/ops/gemm.h"
 
 namespace tessera::nn {
 
@@ -11,18 +12,29 @@ MLP::MLP(const std::string& name, int64_t hidden, int64_t ffn, Activation act, b
       proj(name + ".proj", ffn, hidden, bias, dtype, parallel) {}
 
 Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
-  saved.h_pre = fc.forward(ctx, x, saved.fc_in);
   Tensor h = Tensor::empty({x.size(0), proj.in_features()}, x.dtype(), ctx.device);
-  if (activation == Activation::GELU) gelu_forward(ctx, saved.h_pre, h);
-  else swiglu_forward(ctx, saved.h_pre, h);
+  if (activation == Activation::GELU) {
+    // fc and GELU in one GEMM (the epilogue applies the activation and keeps h_pre).
+    TESSERA_CHECK(x.dim() == 2 && x.size(1) == fc.in_features(), "MLP ", fc.weight.name, ": input must be [N, ",
+                  fc.in_features(), "], got ", x.describe());
+    saved.fc_in.x = x;
+    saved.h_pre = Tensor::empty(h.shape(), x.dtype(), ctx.device);
+    gemm_bias_gelu(ctx, x, fc.weight.value, fc.bias.value, saved.h_pre, h, {.transpose_b = true});
+  } else {
+    saved.h_pre = fc.forward(ctx, x, saved.fc_in);
+    swiglu_forward(ctx, saved.h_pre, h);
+  }
   return proj.forward(ctx, h, saved.proj_in);
 }
 
 Tensor MLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
-  const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
   saved.d_h_pre = Tensor::empty(saved.h_pre.shape(), dy.dtype(), ctx.device);
-  if (activation == Activation::GELU) gelu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
-  else swiglu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
+  if (activation == Activation::GELU) {
+    gemm_gelu_backward(ctx, dy, proj.weight.value, saved.h_pre, saved.d_h_pre);  // (dy W) * gelu'(h_pre)
+  } else {
+    const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
+    swiglu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
+  }
   return fc.backward_input(ctx, saved.d_h_pre, saved.fc_in);
 }
 

@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "backend/cpu/gemm.h"
+#include "tessera/ops/activation.h"
 #include "dispatch.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -28,10 +29,9 @@ bool memory_overlaps(const Tensor& x, const Tensor& y) {
   return x0 < y0 + y.nbytes() && y0 < x0 + x.nbytes();
 }
 
-}  // namespace
-
-void gemm(Context& ctx, const Tensor& a, const Tensor& b, Tensor& c, const GemmOptions& options, const Tensor& bias) {
-  const char* op = "gemm";
+// Every check of gemm (shapes, dtypes, layout, overlap), for gemm and its fused variants.
+void check_gemm(const Context& ctx, const Tensor& a, const Tensor& b, const Tensor& c, const GemmOptions& options,
+                const Tensor& bias, const char* op) {
   check_contiguous(a, op, "a");
   check_contiguous(b, op, "b");
   check_contiguous(c, op, "c");
@@ -59,6 +59,13 @@ void gemm(Context& ctx, const Tensor& a, const Tensor& b, Tensor& c, const GemmO
   TESSERA_CHECK(!memory_overlaps(c, a) && !memory_overlaps(c, b) && !memory_overlaps(c, bias), op,
                 ": c ", c.describe(), " overlaps an input in memory");
   check_on_device(ctx, op, {&a, &b, &c, &bias});
+}
+
+}  // namespace
+
+void gemm(Context& ctx, const Tensor& a, const Tensor& b, Tensor& c, const GemmOptions& options, const Tensor& bias) {
+  const char* op = "gemm";
+  check_gemm(ctx, a, b, c, options, bias, op);
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
     if (cuda::gemm_supported(a, b, c, bias)) {
@@ -70,6 +77,49 @@ void gemm(Context& ctx, const Tensor& a, const Tensor& b, Tensor& c, const GemmO
     fail_no_kernel(op, ctx);
   }
   cpu::gemm(a, b, c, options, bias);
+}
+
+void gemm_bias_gelu(Context& ctx, const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& pre, Tensor& c,
+                    const GemmOptions& options) {
+  const char* op = "gemm_bias_gelu";
+  check_contiguous(pre, op, "pre");
+  check_contiguous(c, op, "c");
+  check_shape(pre, c.shape(), op, "pre");
+  check_dtype(pre, c.dtype(), op, "pre");
+  TESSERA_CHECK(options.beta == 0, op, ": beta must be 0 (the output is an activation), got ", options.beta);
+  TESSERA_CHECK(!memory_overlaps(pre, c), op, ": pre and c overlap in memory");
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda() && cuda::gemm_epilogue_supported(a, b, c, bias, pre)) {
+    check_gemm(ctx, a, b, c, options, bias, op);
+    cuda::gemm(ctx.stream, a, b, c, options.transpose_a, options.transpose_b,
+               options.alpha * options.a_scale_inv * options.b_scale_inv, 0.0f, bias, GemmEpilogue::Gelu, pre);
+    return;
+  }
+#endif
+  gemm(ctx, a, b, pre, options, bias);
+  gelu_forward(ctx, pre, c);
+}
+
+void gemm_gelu_backward(Context& ctx, const Tensor& a, const Tensor& b, const Tensor& pre, Tensor& c,
+                        const GemmOptions& options) {
+  const char* op = "gemm_gelu_backward";
+  check_contiguous(pre, op, "pre");
+  check_contiguous(c, op, "c");
+  check_shape(pre, c.shape(), op, "pre");
+  TESSERA_CHECK(options.beta == 0, op, ": beta must be 0 (the output is an activation gradient), got ", options.beta);
+  TESSERA_CHECK(!memory_overlaps(pre, c), op, ": pre and c overlap in memory");
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda() && cuda::gemm_epilogue_supported(a, b, c, Tensor(), pre)) {
+    check_gemm(ctx, a, b, c, options, Tensor(), op);
+    check_on_device(ctx, op, {&pre});
+    cuda::gemm(ctx.stream, a, b, c, options.transpose_a, options.transpose_b,
+               options.alpha * options.a_scale_inv * options.b_scale_inv, 0.0f, Tensor(), GemmEpilogue::GeluBackward, pre);
+    return;
+  }
+#endif
+  Tensor product = Tensor::empty(c.shape(), c.dtype(), c.device());
+  gemm(ctx, a, b, product, options);
+  gelu_backward(ctx, pre, product, c);
 }
 
 void bias_grad(Context& ctx, const Tensor& dy, Tensor& dbias) {

@@ -16,6 +16,9 @@
 
 namespace tessera {
 
+// What the GEMM does to its result before writing it (see gemm_bias_gelu below).
+enum class GemmEpilogue { None, Gelu, GeluBackward };
+
 struct GemmOptions {
   bool transpose_a = false;  // op(a) = a^T, so a is stored as [K, M]
   bool transpose_b = false;  // op(b) = b^T, so b is stored as [N, K]
@@ -36,6 +39,20 @@ struct GemmOptions {
 // c must not overlap a, b or bias in memory.
 void gemm(Context& ctx, const Tensor& a, const Tensor& b, Tensor& c, const GemmOptions& options = {},
           const Tensor& bias = Tensor());
+
+// The MLP's first linear layer and its activation in one pass over the output:
+//   pre = op(a) op(b) + bias        c = gelu(pre)   (GPT-2's tanh GELU, as gelu_forward)
+// pre and c share shape [M, N] and dtype; bias is optional. pre is what the backward needs.
+// On CUDA with BF16 tensors the GELU runs in cuBLASLt's epilogue; otherwise it is the GEMM
+// followed by gelu_forward, which is also the reference.
+void gemm_bias_gelu(Context& ctx, const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& pre, Tensor& c,
+                    const GemmOptions& options = {});
+
+// The GELU's input gradient fused into the GEMM that makes its output gradient:
+//   c = (op(a) op(b)) * gelu'(pre)
+// i.e. gelu_backward(pre, op(a) op(b)). alpha applies to the product; beta must be 0.
+void gemm_gelu_backward(Context& ctx, const Tensor& a, const Tensor& b, const Tensor& pre, Tensor& c,
+                        const GemmOptions& options = {});
 
 // dbias[n] += sum_m dy[m, n]. dy is [M, N], dbias is [N]; any floating dtypes.
 // A parameter gradient, so it ACCUMULATES into dbias (zero it before the first micro-batch).

@@ -9,6 +9,7 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/core/tensor.h"
+#include "tessera/ops/gemm.h"
 
 namespace tessera::cuda {
 
@@ -40,9 +41,12 @@ void softmax_forward(void* stream, const Tensor& x, Tensor& y);
 void softmax_backward(void* stream, const Tensor& y, const Tensor& dy, Tensor& dx);
 
 // cuBLASLt GEMM (backend/cuda/gemm.cu); gemm_supported says whether the dtypes have a path.
+// With GemmEpilogue::Gelu, aux receives the pre-activation; with GeluBackward it is read.
+// gemm_epilogue_supported says whether the GELU epilogues run for these tensors.
 bool gemm_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias);
+bool gemm_epilogue_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias, const Tensor& aux);
 void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transpose_a, bool transpose_b, float alpha,
-          float beta, const Tensor& bias);
+          float beta, const Tensor& bias, GemmEpilogue epilogue = GemmEpilogue::None, const Tensor& aux = Tensor());
 
 // Allocator statistics, for tests and the benchmark reports.
 struct AllocatorStats {

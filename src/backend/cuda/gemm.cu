@@ -1,17 +1,24 @@
-// GEMM on the GPU through cuBLASLt: c = alpha * op(a) op(b) * a_scale_inv * b_scale_inv
-// + beta * c + bias, row-major, FP32 accumulation (CUBLAS_COMPUTE_32F).
+// GEMM on the GPU through cuBLASLt: c = alpha * op(a) op(b) + beta * c + bias, row-major,
+// FP32 accumulation (CUBLAS_COMPUTE_32F), optionally with GELU fused into the epilogue
+// (forward: c = gelu(product + bias) and the pre-activation saved as the epilogue's aux
+// output; backward: c = product * gelu'(pre)).
 //
 // cuBLASLt is column-major; a row-major [M, N] matrix is the column-major [N, M] one, so
 // the row-major product C = op(A) op(B) is computed as the column-major C^T = op(B)^T op(A)^T:
 // the operands swap places and keep their transpose flags. The bias epilogue adds a vector
 // over the rows of the column-major result, i.e. over the columns of ours, as GemmOptions
-// says. F32 x F32 -> F32 and BF16 x BF16 -> BF16 or F32; the heuristic picks the
-// algorithm (no algo cached yet). Speed against cuBLAS through PyTorch: the CUDA backend
-// stage's benchmarks.
+// says. F32 x F32 -> F32 and BF16 x BF16 -> BF16 or F32.
+//
+// Plans are cached per shape: the descriptors and the algorithm the heuristic picked for
+// (shape, transposes, dtypes, epilogue, pointer alignment) are made once, so a training
+// step spends no host time in the heuristic. Speed against cuBLAS through PyTorch: the
+// GEMM shapes of GPT-2 and Llama in bench/RESULTS.md.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <map>
 #include <mutex>
+#include <tuple>
 
 #include "cuda_backend.h"
 #include "cuda_check.h"
@@ -57,13 +64,7 @@ cudaDataType_t cuda_type(DType t) {
   }
 }
 
-struct Layout {
-  cublasLtMatrixLayout_t desc = nullptr;
-  Layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
-    TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc, type, rows, cols, ld));
-  }
-  ~Layout() { cublasLtMatrixLayoutDestroy(desc); }
-};
+
 
 }  // namespace
 
@@ -75,40 +76,154 @@ bool gemm_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Ten
   return inputs && output && bias_ok;
 }
 
+namespace {
+
+// Largest power of two (up to 256) dividing the address: what the heuristic may assume.
+uint32_t alignment_of(const void* p) {
+  const auto v = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && v % a != 0) a /= 2;
+  return a;
+}
+
+struct PlanKey {
+  int device;
+  int64_t m, n, k;
+  bool transpose_a, transpose_b, has_bias, beta_zero;
+  DType a, b, c;
+  GemmEpilogue epilogue;
+  uint32_t align_a, align_b, align_c, align_aux;
+  bool operator<(const PlanKey& o) const {
+    return std::tie(device, m, n, k, transpose_a, transpose_b, has_bias, beta_zero, a, b, c, epilogue, align_a, align_b,
+                    align_c, align_aux) < std::tie(o.device, o.m, o.n, o.k, o.transpose_a, o.transpose_b, o.has_bias,
+                                                   o.beta_zero, o.a, o.b, o.c, o.epilogue, o.align_a, o.align_b,
+                                                   o.align_c, o.align_aux);
+  }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool has_algo = false;
+};
+
+cublasLtEpilogue_t epilogue_of(GemmEpilogue e, bool has_bias) {
+  switch (e) {
+    case GemmEpilogue::Gelu: return has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    case GemmEpilogue::GeluBackward: return CUBLASLT_EPILOGUE_DGELU;
+    case GemmEpilogue::None: break;
+  }
+  return has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+Plan make_plan(cublasLtHandle_t handle, const PlanKey& key, const Tensor& a, const Tensor& b, const Tensor& c,
+               const Tensor& bias) {
+  Plan plan;
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // Column-major call: first operand is our b, second our a.
+  const cublasOperation_t op_first = key.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_second = key.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+  const cublasLtEpilogue_t epilogue = epilogue_of(key.epilogue, key.has_bias);
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  if (key.has_bias) {
+    const cudaDataType_t bias_type = cuda_type(bias.dtype());
+    TESSERA_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  }
+  if (key.epilogue != GemmEpilogue::None) {
+    const int64_t aux_ld = key.n;  // the aux matrix has c's layout
+    TESSERA_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
+  }
+  // Stored shapes, column-major: our row-major [r, c] tensor is a [c, r] matrix with ld c.
+  TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.first, cuda_type(b.dtype()), b.size(1), b.size(0), b.size(1)));
+  TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.second, cuda_type(a.dtype()), a.size(1), a.size(0), a.size(1)));
+  TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.out, cuda_type(c.dtype()), key.n, key.m, key.n));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t workspace = kWorkspaceBytes;
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                            sizeof(workspace)));
+  // Our a is cuBLASLt's B and our b its A.
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_b,
+                                                            sizeof(key.align_b)));
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_a,
+                                                            sizeof(key.align_a)));
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c,
+                                                            sizeof(key.align_c)));
+  TESSERA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c,
+                                                            sizeof(key.align_c)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.first, plan.second, plan.out,
+                                                               plan.out, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
+    plan.algo = result.algo;
+    plan.has_algo = true;
+  }
+  return plan;
+}
+
+}  // namespace
+
+bool gemm_epilogue_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias, const Tensor& aux) {
+  // The GELU epilogues: BF16 throughout, and the aux matrix aligned as cuBLASLt requires.
+  return a.dtype() == DType::BF16 && b.dtype() == DType::BF16 && c.dtype() == DType::BF16 &&
+         aux.dtype() == DType::BF16 && (!bias.defined() || bias.dtype() == DType::BF16) && c.size(1) % 8 == 0 &&
+         alignment_of(aux.raw_data()) >= 16;
+}
+
 void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transpose_a, bool transpose_b, float alpha,
-          float beta, const Tensor& bias) {
+          float beta, const Tensor& bias, GemmEpilogue epilogue, const Tensor& aux) {
   const int64_t m = c.size(0), n = c.size(1);
   const int64_t k = transpose_a ? a.size(0) : a.size(1);
   if (m == 0 || n == 0) return;
   TESSERA_CHECK(k > 0, "gemm on CUDA: an inner dimension of 0 has no cuBLASLt path (a ", a.describe(), ", b ",
                 b.describe(), ")");
-  LtState& state = lt_state(c.device().index);
-
-  cublasLtMatmulDesc_t desc = nullptr;
-  TESSERA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  // Column-major call: first operand is our b, second our a.
-  const cublasOperation_t op_first = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_second = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  TESSERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
-  TESSERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+  const int device = c.device().index;
+  LtState& state = lt_state(device);
+  const PlanKey key{device,
+                    m,
+                    n,
+                    k,
+                    transpose_a,
+                    transpose_b,
+                    bias.defined(),
+                    beta == 0.0f,
+                    a.dtype(),
+                    b.dtype(),
+                    c.dtype(),
+                    epilogue,
+                    alignment_of(a.raw_data()),
+                    alignment_of(b.raw_data()),
+                    alignment_of(c.raw_data()),
+                    aux.defined() ? alignment_of(aux.raw_data()) : 256u};
+  static std::mutex mutex;
+  static std::map<PlanKey, Plan> plans;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = plans.find(key);
+  if (it == plans.end()) it = plans.emplace(key, make_plan(state.handle, key, a, b, c, bias)).first;
+  Plan& plan = it->second;
+  // Pointers change from call to call; the descriptor is only used under the lock.
   if (bias.defined()) {
-    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     const void* bias_ptr = bias.raw_data();
-    const cudaDataType_t bias_type = cuda_type(bias.dtype());
-    TESSERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-    TESSERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)));
     TESSERA_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)));
   }
-  // Stored shapes, column-major: our row-major [r, c] tensor is a [c, r] matrix with ld c.
-  const Layout first(cuda_type(b.dtype()), b.size(1), b.size(0), b.size(1));
-  const Layout second(cuda_type(a.dtype()), a.size(1), a.size(0), a.size(1));
-  const Layout out(cuda_type(c.dtype()), n, m, n);
+  if (epilogue != GemmEpilogue::None) {
+    const void* aux_ptr = aux.raw_data();
+    TESSERA_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux_ptr, sizeof(aux_ptr)));
+  }
   const cublasStatus_t status =
-      cublasLtMatmul(state.handle, desc, &alpha, b.raw_data(), first.desc, a.raw_data(), second.desc, &beta,
-                     c.raw_data(), out.desc, c.raw_data(), out.desc, nullptr, state.workspace.raw_data(),
-                     kWorkspaceBytes, static_cast<cudaStream_t>(stream));
-  cublasLtMatmulDescDestroy(desc);
+      cublasLtMatmul(state.handle, plan.desc, &alpha, b.raw_data(), plan.first, a.raw_data(), plan.second, &beta,
+                     c.raw_data(), plan.out, c.raw_data(), plan.out, plan.has_algo ? &plan.algo : nullptr,
+                     state.workspace.raw_data(), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
   TESSERA_CHECK(status == CUBLAS_STATUS_SUCCESS, "gemm on CUDA: cublasLtMatmul failed (", cublasGetStatusString(status),
                 ") for a ", a.describe(), ", b ", b.describe(), ", c ", c.describe());
 }
