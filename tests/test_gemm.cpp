@@ -331,3 +331,19 @@ TEST(GemmGelu, EqualsGemmThenActivation) {
   Tensor wrong = Tensor::empty({6, 11}, DType::F32);
   EXPECT_THROW(gemm_bias_gelu(ctx, x, w, bias, wrong, y, {.transpose_b = true}), Error);
 }
+
+// Row-strided matrices (contiguous rows, padded row stride) give the packed result.
+TEST(GemmRowStrided, MatchesPackedOperands) {
+  Context ctx = Context::cpu();
+  const Tensor a_buf = random_tensor({7, 13}, DType::F32, 31), b_buf = random_tensor({9, 16}, DType::F32, 32);
+  const Tensor a = a_buf.slice(1, 0, 11), b = b_buf.slice(1, 0, 11);  // [7, 11] and [9, 11], strides 13 and 16
+  Tensor want = Tensor::empty({7, 9}, DType::F32);
+  gemm(ctx, a.contiguous(), b.contiguous(), want, {.transpose_b = true});
+  Tensor c_buf = Tensor::zeros({7, 12}, DType::F32);
+  Tensor c = c_buf.slice(1, 0, 9);
+  gemm(ctx, a, b, c, {.transpose_b = true});
+  EXPECT_EQ(relative_error(c.contiguous(), want), 0.0);
+  EXPECT_EQ(c_buf.item(9), 0.0) << "the padding columns are not written";
+  Tensor col_strided = Tensor::empty({9, 7}, DType::F32).transpose(0, 1);
+  EXPECT_THROW(gemm(ctx, a, b, col_strided, {.transpose_b = true}), Error);
+}

@@ -122,3 +122,27 @@ TEST(GpuGemm, CachedPlansServeNewBuffers) {
     EXPECT_LT(relative_error(got.to(Device::cpu()), want), 1e-5) << "round " << round;
   }
 }
+
+// The LM head's GEMMs with a padded row stride on the output (forward) and on an input
+// (both backward products) against the packed CPU reference.
+TEST(GpuGemm, RowStridedOperands) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  const int64_t n = 64, c = 96, vocab = 1001, ld = 1008;
+  const Tensor h = random_tensor({n, c}, DType::BF16, 41), w = random_tensor({vocab, c}, DType::BF16, 42);
+  Tensor want = Tensor::empty({n, vocab}, DType::BF16);
+  gemm(cpu, h, w, want, {.transpose_b = true});
+  Tensor buf = Tensor::empty({n, ld}, DType::BF16, Device::cuda());
+  Tensor logits = buf.slice(1, 0, vocab);
+  gemm(gpu, h.to(Device::cuda()), w.to(Device::cuda()), logits, {.transpose_b = true});
+  EXPECT_LT(relative_error(logits.contiguous().to(Device::cpu()), want), 1e-2);
+  // dh = dlogits W and dW = dlogits^T h with the strided dlogits as an input.
+  Tensor dh_want = Tensor::empty({n, c}, DType::F32), dw_want = Tensor::empty({vocab, c}, DType::F32);
+  gemm(cpu, want, w, dh_want);
+  gemm(cpu, want, h, dw_want, {.transpose_a = true});
+  Tensor dh = Tensor::empty({n, c}, DType::F32, Device::cuda()), dw = Tensor::empty({vocab, c}, DType::F32, Device::cuda());
+  gemm(gpu, logits, w.to(Device::cuda()), dh);
+  gemm(gpu, logits, h.to(Device::cuda()), dw, {.transpose_a = true});
+  EXPECT_LT(relative_error(dh.to(Device::cpu()), dh_want), 1e-2);
+  EXPECT_LT(relative_error(dw.to(Device::cpu()), dw_want), 1e-2);
+}

@@ -198,3 +198,30 @@ TEST(GpuCrossEntropy, BadTargetsAreReportedByTheNextCall) {
   EXPECT_THROW(cross_entropy_backward(gpu, logits, good, lse, 1.0f, d), Error);
   EXPECT_NO_THROW(cross_entropy_backward(gpu, logits, good, lse, 1.0f, d));
 }
+
+// The LM head's layout on the GPU: logits with a row stride padded to a multiple of 8
+// (GPT-2's 50257 -> 50264), the backward in place into the same view.
+TEST(GpuCrossEntropy, RowStridedLogitsInPlace) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test";
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  for (DType t : {DType::BF16, DType::F32}) {
+    const int64_t rows = 9, vocab = 50257, ld = 50264;
+    const Tensor host = random_tensor({rows, vocab}, t, 77, -4, 4);
+    const Tensor targets = make_targets(rows, vocab, DType::I32, 78);
+    Tensor loss = Tensor::empty({1}, DType::F32), lse = Tensor::empty({rows}, DType::F32);
+    cross_entropy_forward(cpu, host, targets, loss, lse);
+    Tensor d_want = Tensor::empty({rows, vocab}, t);
+    cross_entropy_backward(cpu, host, targets, lse, 1.0f, d_want);
+
+    Tensor buf = Tensor::empty({rows, ld}, t, kCuda);
+    Tensor logits = buf.slice(1, 0, vocab);
+    logits.copy_from(host.to(kCuda));
+    const Tensor dev_targets = targets.to(kCuda);
+    Tensor g_loss = Tensor::empty({1}, DType::F32, kCuda), g_lse = Tensor::empty({rows}, DType::F32, kCuda);
+    cross_entropy_forward(gpu, logits, dev_targets, g_loss, g_lse);
+    EXPECT_NEAR(g_loss.to(Device::cpu()).item(0), loss.item(0), 1e-5 * std::abs(loss.item(0))) << dtype_name(t);
+    expect_close(g_lse, lse, 1e-5, "lse");
+    cross_entropy_backward(gpu, logits, dev_targets, g_lse, 1.0f, logits);
+    expect_close(logits.contiguous(), d_want, tolerance(t), std::string("in-place strided backward ") + dtype_name(t));
+  }
+}

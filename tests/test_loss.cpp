@@ -195,3 +195,23 @@ TEST(CrossEntropyErrors, BadTargetsAndShapesThrow) {
   Tensor undefined;
   EXPECT_THROW(cross_entropy_backward(ctx, logits, ok, undefined, 1.0f, d), Error);
 }
+
+// Logits in a buffer with a padded row stride (as the LM head uses on the GPU) give the
+// packed result; the backward may write in place into the same strided view.
+TEST(CrossEntropyRowStrided, MatchesPackedLogits) {
+  Context ctx = Context::cpu();
+  const Tensor buf = random_tensor({5, 24}, DType::F32, 61, -3, 3);
+  const Tensor logits = buf.slice(1, 0, 21);
+  const Tensor targets = Tensor::from_ints({3, 20, -100, 0, 7}, {5});
+  Tensor loss = Tensor::empty({1}, DType::F32), lse = Tensor::empty({5}, DType::F32);
+  Tensor want_loss = Tensor::empty({1}, DType::F32), want_lse = Tensor::empty({5}, DType::F32);
+  cross_entropy_forward(ctx, logits, targets, loss, lse);
+  cross_entropy_forward(ctx, logits.contiguous(), targets, want_loss, want_lse);
+  EXPECT_EQ(loss.item(0), want_loss.item(0));
+  EXPECT_EQ(relative_error(lse, want_lse), 0.0);
+  Tensor want_d = Tensor::empty({5, 21}, DType::F32);
+  cross_entropy_backward(ctx, logits.contiguous(), targets, lse, 0.5f, want_d);
+  Tensor in_place = buf.clone().slice(1, 0, 21);
+  cross_entropy_backward(ctx, in_place, targets, lse, 0.5f, in_place);
+  EXPECT_EQ(relative_error(in_place.contiguous(), want_d), 0.0);
+}

@@ -135,14 +135,18 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
       if (d_h) d_h->slice(0, r0, r1).fill_zero();
       continue;
     }
-    Tensor logits = Tensor::empty({n, vocab}, dtype_, ctx.device);
+    // On the GPU the logits' row stride is padded to a multiple of 8 elements: with GPT-2's
+    // odd vocabulary (50257) unpadded rows would push all three head GEMMs off cuBLASLt's
+    // aligned tensor-core kernels.
+    const int64_t row_stride = ctx.device.is_cuda() ? (vocab + 7) / 8 * 8 : vocab;
+    Tensor logits = Tensor::empty({n, row_stride}, dtype_, ctx.device).slice(1, 0, vocab);
     gemm(ctx, h_chunk, w.value, logits, {.transpose_b = true});
     Tensor chunk_loss = chunk_losses.slice(0, r0 / kHeadChunkRows, r0 / kHeadChunkRows + 1);
     Tensor lse = Tensor::empty({n}, stats, ctx.device);
     cross_entropy_forward(ctx, logits, t_chunk, chunk_loss, lse, {.ignore_index = kIgnoreIndex});
     const double weight = double(chunk_valid) / double(valid);
     if (!d_h) continue;
-    Tensor d_logits = Tensor::empty({n, vocab}, dtype_, ctx.device);
+    Tensor d_logits = logits;  // the gradient replaces the logits in place
     cross_entropy_backward(ctx, logits, t_chunk, lse, static_cast<float>(weight * scale), d_logits,
                            {.ignore_index = kIgnoreIndex});
     Tensor d_h_chunk = d_h->slice(0, r0, r1);

@@ -20,21 +20,35 @@ bool is_gemm_input_dtype(DType t) {
 
 bool is_gemm_output_dtype(DType t) { return t == DType::F64 || t == DType::F32 || t == DType::BF16; }
 
-// True when the bytes of two defined tensors intersect: a kernel writing one while
+// Bytes from a tensor's first element to just past its last (its strides included).
+size_t span_bytes(const Tensor& t) {
+  int64_t last = 0;
+  for (int d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return static_cast<size_t>(last + 1) * dtype_size(t.dtype());
+}
+
+// True when the byte ranges of two defined tensors intersect: a kernel writing one while
 // reading the other would read its own partial results.
 bool memory_overlaps(const Tensor& x, const Tensor& y) {
   if (!x.defined() || !y.defined() || x.numel() == 0 || y.numel() == 0) return false;
   const auto* x0 = static_cast<const char*>(x.raw_data());
   const auto* y0 = static_cast<const char*>(y.raw_data());
-  return x0 < y0 + y.nbytes() && y0 < x0 + x.nbytes();
+  return x0 < y0 + span_bytes(y) && y0 < x0 + span_bytes(x);
+}
+
+// A matrix whose rows are contiguous, at any row stride >= its width (e.g. logits whose
+// row stride is padded to a multiple of 8 elements so the GEMM stays aligned).
+void check_row_strided(const Tensor& t, const char* op, const char* name) {
+  TESSERA_CHECK(t.dim() == 2 && (t.is_contiguous() || (t.stride(1) == 1 && t.stride(0) >= t.size(1))), op, ": ", name,
+                " must be a 2-D matrix with contiguous rows, got ", t.describe());
 }
 
 // Every check of gemm (shapes, dtypes, layout, overlap), for gemm and its fused variants.
 void check_gemm(const Context& ctx, const Tensor& a, const Tensor& b, const Tensor& c, const GemmOptions& options,
                 const Tensor& bias, const char* op) {
-  check_contiguous(a, op, "a");
-  check_contiguous(b, op, "b");
-  check_contiguous(c, op, "c");
+  check_row_strided(a, op, "a");
+  check_row_strided(b, op, "b");
+  check_row_strided(c, op, "c");
   TESSERA_CHECK(is_gemm_input_dtype(a.dtype()), op, ": a must be F64, F32, BF16, F16, E4M3 or E5M2, got ",
                 a.describe());
   TESSERA_CHECK(is_gemm_input_dtype(b.dtype()), op, ": b must be F64, F32, BF16, F16, E4M3 or E5M2, got ",
@@ -76,7 +90,13 @@ void gemm(Context& ctx, const Tensor& a, const Tensor& b, Tensor& c, const GemmO
 #endif
     fail_no_kernel(op, ctx);
   }
-  cpu::gemm(a, b, c, options, bias);
+  if (c.is_contiguous()) {
+    cpu::gemm(a.contiguous(), b.contiguous(), c, options, bias);
+  } else {  // the reference wants packed matrices
+    Tensor packed = c.contiguous();
+    cpu::gemm(a.contiguous(), b.contiguous(), packed, options, bias);
+    c.copy_from(packed);
+  }
 }
 
 void gemm_bias_gelu(Context& ctx, const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& pre, Tensor& c,

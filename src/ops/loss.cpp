@@ -13,8 +13,15 @@ namespace {
 // The dtype the saved log-sum-exp must have: the statistics rule of every op.
 DType lse_dtype_for(const Tensor& logits) { return logits.dtype() == DType::F64 ? DType::F64 : DType::F32; }
 
+// Rows of V contiguous elements at any row stride >= V: the LM head pads the logits' row
+// stride to a multiple of 8 elements so that its GEMMs stay on aligned tensor-core paths.
+void check_row_strided(const Tensor& t, const char* op, const char* name) {
+  TESSERA_CHECK(t.dim() == 2 && (t.is_contiguous() || (t.stride(1) == 1 && t.stride(0) >= t.size(1))), op, ": ", name,
+                " must be 2-D with contiguous rows, got ", t.describe());
+}
+
 void check_logits_and_targets(const Tensor& logits, const Tensor& targets, const char* op) {
-  check_contiguous(logits, op, "logits");
+  check_row_strided(logits, op, "logits");
   check_contiguous(targets, op, "targets");
   check_floating(logits, op, "logits");
   TESSERA_CHECK(logits.dim() == 2, op, ": logits must be 2-D [N, V], got ", logits.describe());
@@ -53,7 +60,7 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& tar
 #endif
     fail_no_kernel(op, ctx);
   }
-  cpu::cross_entropy_forward(logits, targets, loss, lse, options);
+  cpu::cross_entropy_forward(logits.contiguous(), targets, loss, lse, options);
 }
 
 void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& targets, const Tensor& lse,
@@ -61,7 +68,7 @@ void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& ta
   const char* op = "cross_entropy_backward";
   check_logits_and_targets(logits, targets, op);
   check_lse(logits, lse, op);
-  check_contiguous(d_logits, op, "d_logits");
+  check_row_strided(d_logits, op, "d_logits");
   check_floating(d_logits, op, "d_logits");
   check_shape(d_logits, logits.shape(), op, "d_logits");
   check_on_device(ctx, op, {&logits, &targets, &lse, &d_logits});
@@ -75,7 +82,13 @@ void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& ta
 #endif
     fail_no_kernel(op, ctx);
   }
-  cpu::cross_entropy_backward(logits, targets, lse, d_loss, d_logits, options);
+  if (d_logits.is_contiguous()) {
+    cpu::cross_entropy_backward(logits.contiguous(), targets, lse, d_loss, d_logits, options);
+  } else {
+    Tensor packed = Tensor::empty(d_logits.shape(), d_logits.dtype());
+    cpu::cross_entropy_backward(logits.contiguous(), targets, lse, d_loss, packed, options);
+    d_logits.copy_from(packed);
+  }
 }
 
 }  // namespace tessera

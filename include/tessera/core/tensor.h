@@ -49,6 +49,7 @@ class Tensor {
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }
   const Shape& strides() const { return strides_; }
+  int64_t stride(int d) const { return strides_[static_cast<size_t>(d < 0 ? d + dim() : d)]; }  // in elements
   int dim() const { return static_cast<int>(shape_.size()); }
   int64_t size(int d) const;  // negative d counts from the end
   int64_t numel() const { return shape_numel(shape_); }

@@ -88,16 +88,16 @@ uint32_t alignment_of(const void* p) {
 
 struct PlanKey {
   int device;
-  int64_t m, n, k;
+  int64_t m, n, k, lda, ldb, ldc;
   bool transpose_a, transpose_b, has_bias, beta_zero;
   DType a, b, c;
   GemmEpilogue epilogue;
   uint32_t align_a, align_b, align_c, align_aux;
   bool operator<(const PlanKey& o) const {
-    return std::tie(device, m, n, k, transpose_a, transpose_b, has_bias, beta_zero, a, b, c, epilogue, align_a, align_b,
-                    align_c, align_aux) < std::tie(o.device, o.m, o.n, o.k, o.transpose_a, o.transpose_b, o.has_bias,
-                                                   o.beta_zero, o.a, o.b, o.c, o.epilogue, o.align_a, o.align_b,
-                                                   o.align_c, o.align_aux);
+    return std::tie(device, m, n, k, lda, ldb, ldc, transpose_a, transpose_b, has_bias, beta_zero, a, b, c, epilogue,
+                    align_a, align_b, align_c, align_aux) <
+           std::tie(o.device, o.m, o.n, o.k, o.lda, o.ldb, o.ldc, o.transpose_a, o.transpose_b, o.has_bias, o.beta_zero,
+                    o.a, o.b, o.c, o.epilogue, o.align_a, o.align_b, o.align_c, o.align_aux);
   }
 };
 
@@ -134,14 +134,15 @@ Plan make_plan(cublasLtHandle_t handle, const PlanKey& key, const Tensor& a, con
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
   }
   if (key.epilogue != GemmEpilogue::None) {
-    const int64_t aux_ld = key.n;  // the aux matrix has c's layout
+    const int64_t aux_ld = key.n;  // the aux matrix is packed [m, n]
     TESSERA_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
   }
-  // Stored shapes, column-major: our row-major [r, c] tensor is a [c, r] matrix with ld c.
-  TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.first, cuda_type(b.dtype()), b.size(1), b.size(0), b.size(1)));
-  TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.second, cuda_type(a.dtype()), a.size(1), a.size(0), a.size(1)));
-  TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.out, cuda_type(c.dtype()), key.n, key.m, key.n));
+  // Stored shapes, column-major: our row-major [r, c] tensor is a [c, r] matrix whose
+  // leading dimension is our row stride (c when packed).
+  TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.first, cuda_type(b.dtype()), b.size(1), b.size(0), key.ldb));
+  TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.second, cuda_type(a.dtype()), a.size(1), a.size(0), key.lda));
+  TESSERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.out, cuda_type(c.dtype()), key.n, key.m, key.ldc));
 
   cublasLtMatmulPreference_t pref = nullptr;
   TESSERA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -173,8 +174,8 @@ Plan make_plan(cublasLtHandle_t handle, const PlanKey& key, const Tensor& a, con
 
 bool gemm_epilogue_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias, const Tensor& aux) {
   // The GELU epilogues: BF16 throughout, and the aux matrix aligned as cuBLASLt requires.
-  return a.dtype() == DType::BF16 && b.dtype() == DType::BF16 && c.dtype() == DType::BF16 &&
-         aux.dtype() == DType::BF16 && (!bias.defined() || bias.dtype() == DType::BF16) && c.size(1) % 8 == 0 &&
+  return a.dtype() == DType::BF16 && b.dtype() == DType::BF16 && c.dtype() == DType::BF16 && c.is_contiguous() &&
+         aux.dtype() == DType::BF16 && aux.is_contiguous() && (!bias.defined() || bias.dtype() == DType::BF16) && c.size(1) % 8 == 0 &&
          alignment_of(aux.raw_data()) >= 16;
 }
 
@@ -191,6 +192,9 @@ void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transp
                     m,
                     n,
                     k,
+                    a.size(0) > 1 ? a.stride(0) : a.size(1),
+                    b.size(0) > 1 ? b.stride(0) : b.size(1),
+                    c.size(0) > 1 ? c.stride(0) : c.size(1),
                     transpose_a,
                     transpose_b,
                     bias.defined(),

@@ -85,8 +85,8 @@ __device__ Lse block_lse(Lse v) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kRowThreads) lse_kernel(const T* logits, float* lse, int64_t vocab) {
-  const T* x = logits + blockIdx.x * vocab;
+__global__ void __launch_bounds__(kRowThreads) lse_kernel(const T* logits, float* lse, int64_t vocab, int64_t ld) {
+  const T* x = logits + blockIdx.x * ld;
   const int64_t head = min(vec::misalignment_head(x), vocab);
   const int64_t vectors = (vocab - head) / kWidth;
   Lse acc;
@@ -123,7 +123,7 @@ __device__ V block_sum(V v) {
 template <typename T, typename Tg>
 __global__ void __launch_bounds__(kReduceThreads)
     loss_kernel(const T* logits, const Tg* targets, const float* lse, void* loss, bool loss_f64, int64_t rows,
-                int64_t vocab, int64_t ignore_index, IndexErrorSink sink) {
+                int64_t vocab, int64_t ld, int64_t ignore_index, IndexErrorSink sink) {
   double sum = 0;
   int64_t valid = 0, bad = 0;
   for (int64_t n = threadIdx.x; n < rows; n += kReduceThreads) {
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kReduceThreads)
       continue;
     }
     ++valid;
-    sum += static_cast<double>(lse[n]) - static_cast<double>(vec::load(logits, n * vocab + t));
+    sum += static_cast<double>(lse[n]) - static_cast<double>(vec::load(logits, n * ld + t));
   }
   sum = block_sum(sum);
   valid = block_sum(valid);
@@ -199,9 +199,9 @@ __device__ __forceinline__ void fill_row(Out* y, int64_t n, float value) {
 template <typename T, typename Out, typename Tg>
 __global__ void __launch_bounds__(kRowThreads)
     grad_kernel(const T* logits, const Tg* targets, const float* lse, const float* scale_ptr, Out* d_logits,
-                int64_t vocab, int64_t ignore_index, IndexErrorSink sink) {
+                int64_t vocab, int64_t ld, int64_t ld_out, int64_t ignore_index, IndexErrorSink sink) {
   const int64_t row = blockIdx.x;
-  Out* g = d_logits + row * vocab;
+  Out* g = d_logits + row * ld_out;
   const int64_t t = static_cast<int64_t>(targets[row]);
   if (t == ignore_index) {  // written directly: 0 * (NaN or inf logits) would not be 0
     fill_row(g, vocab, 0.0f);
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kRowThreads)
     return;
   }
   const float scale = *scale_ptr, row_lse = lse[row];
-  map_row(logits + row * vocab, g, vocab, [&](int64_t v, float x) {
+  map_row(logits + row * ld, g, vocab, [&](int64_t v, float x) {
     const float p = scale * expf(x - row_lse);
     return v == t ? p - scale : p;
   });
@@ -242,13 +242,14 @@ void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& tar
   vec::dispatch(logits.dtype(), "cross_entropy_forward", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     if (rows > 0)
-      lse_kernel<T><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(logits.data<T>(), lse.data<float>(), vocab);
+      lse_kernel<T><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(logits.data<T>(), lse.data<float>(), vocab,
+                                                                         logits.stride(0));
     dispatch_targets(targets, [&](auto* ttag) {
       using Tg = std::remove_pointer_t<decltype(ttag)>;
       // Also for rows = 0: the loss is then written as 0.
       loss_kernel<T, Tg><<<1, kReduceThreads, 0, s>>>(logits.data<T>(), targets.data<Tg>(), lse.data<float>(),
                                                       loss.raw_data(), loss.dtype() == DType::F64, rows, vocab,
-                                                      ignore_index, sink);
+                                                      logits.stride(0), ignore_index, sink);
     });
   });
   TESSERA_CUDA_CHECK_LAUNCH();
@@ -277,7 +278,7 @@ void cross_entropy_backward(void* stream, const Tensor& logits, const Tensor& ta
         using Out = std::remove_pointer_t<decltype(otag)>;
         grad_kernel<T, Out, Tg><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(
             logits.data<T>(), targets.data<Tg>(), lse.data<float>(), scale.data<float>(), d_logits.data<Out>(), vocab,
-            ignore_index, sink);
+            logits.stride(0), d_logits.stride(0), ignore_index, sink);
       });
     });
   });

@@ -7,7 +7,8 @@
 
 namespace tessera::cuda {
 
-// logits F32 or BF16, lse F32, loss F32 or F64 (all on the device).
+// logits F32 or BF16, lse F32, loss F32 or F64 (all on the device). logits and d_logits
+// may be row-strided (unit inner stride, row stride >= V: a padded logits buffer).
 bool cross_entropy_forward_supported(const Tensor& logits, const Tensor& loss, const Tensor& lse);
 void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& targets, Tensor& loss, Tensor& lse,
                            int64_t ignore_index);
