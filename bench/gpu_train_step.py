@@ -4,6 +4,8 @@
 Models (random tokens, BF16 compute, FP32 master weights, AdamW):
   gpt2   GPT-2 124M, B=16 T=1024. PyTorch: a nanoGPT-style model (SDPA attention, tied
          embeddings, BF16 autocast, fused AdamW), eager and optionally torch.compile.
+  gpt2-v50304  the same with the vocabulary padded to 50304 (a multiple of 64), as nanoGPT
+         and llm.c train it: every implementation's LM head GEMMs get aligned shapes.
   llama  Llama-3.2-1B-shaped (1.24B parameters), B=4 T=2048. PyTorch: Hugging Face
          LlamaForCausalLM (SDPA attention), BF16 autocast, fused AdamW.
 
@@ -44,12 +46,12 @@ def time_steps(step, warmup, steps):
     return statistics.median(times)
 
 
-def gpt2_torch(batch, seq, compile_model):
+def gpt2_torch(batch, seq, compile_model, v=50257):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
-    v, c, layers, h = 50257, 768, 12, 12
+    c, layers, h = 768, 12, 12
 
     class Block(nn.Module):
         def __init__(self):
@@ -78,7 +80,7 @@ def gpt2_torch(batch, seq, compile_model):
             for blk in self.blocks:
                 x = blk(x)
             logits = self.ln_f(x) @ self.wte.weight.t()
-            return F.cross_entropy(logits.float().view(-1, v), targets.view(-1))
+            return F.cross_entropy(logits.view(-1, v), targets.view(-1))  # autocast runs it in FP32
 
     model = GPT().cuda()
     params = sum(p.numel() for p in model.parameters())
@@ -112,8 +114,10 @@ def run_torch(name, batch, seq, compile_model, warmup, steps):
 
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
-    build = gpt2_torch if name == "gpt2" else llama_torch
-    model, params, layers, hidden, vocab = build(batch, seq, compile_model)
+    if name == "llama":
+        model, params, layers, hidden, vocab = llama_torch(batch, seq, compile_model)
+    else:
+        model, params, layers, hidden, vocab = gpt2_torch(batch, seq, compile_model, VOCAB[name])
     if compile_model:
         model = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -139,10 +143,14 @@ def run_torch(name, batch, seq, compile_model, warmup, steps):
     return out
 
 
+VOCAB = {"gpt2": 50257, "gpt2-v50304": 50304, "llama": 128256}
+
+
 def run_tessera(build, name, batch, seq, warmup, steps):
-    model = {"gpt2": "gpt2-124m", "llama": "llama3.2-1b"}[name]
+    model = "llama3.2-1b" if name == "llama" else "gpt2-124m"
     cmd = [os.path.join(build, "bench_train_step"), "--model", model, "--device", "cuda", "--precision", "bf16",
-           "--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup)]
+           "--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup),
+           "--vocab", str(VOCAB[name])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     result = json.loads(out)
     result["impl"] = "tessera bf16"
@@ -152,12 +160,12 @@ def run_tessera(build, name, batch, seq, warmup, steps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
-    ap.add_argument("--models", default="gpt2,llama")
+    ap.add_argument("--models", default="gpt2,gpt2-v50304,llama")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
-    shapes = {"gpt2": (16, 1024), "llama": (4, 2048)}
+    shapes = {"gpt2": (16, 1024), "gpt2-v50304": (16, 1024), "llama": (4, 2048)}
     rows = []
     for name in args.models.split(","):
         batch, seq = shapes[name]
@@ -169,11 +177,11 @@ def main():
             r.update(model=name, batch=batch, seq=seq)
             print(json.dumps(r), flush=True)
         rows.append(results)
-    print(f"\n{'model':6} {'implementation':32} {'tok/s':>10} {'MFU':>6} {'peak GiB':>9} {'tessera/this':>12}")
+    print(f"\n{'model':12} {'implementation':32} {'tok/s':>10} {'MFU':>6} {'peak GiB':>9} {'tessera/this':>12}")
     for results in rows:
         ours = results[0]["tokens_per_s"]
         for r in results:
-            print(f"{r['model']:6} {r['impl']:32} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} "
+            print(f"{r['model']:12} {r['impl']:32} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} "
                   f"{r.get('peak_memory_gib', 0):9.1f} {ours / r['tokens_per_s']:12.2f}")
 
 

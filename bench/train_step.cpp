@@ -49,6 +49,8 @@ int main(int argc, char** argv) {
   std::string device = "cpu", precision = "fp32";
   app.add_option("--model", model_json, "gpt2-124m, llama3.2-1b, or a model config as JSON (keys of the model section)")
       ->required();
+  int64_t vocab = 0;
+  app.add_option("--vocab", vocab, "Override the model's vocabulary size (e.g. 50304, GPT-2's padded to 64)");
   app.add_option("--device", device, "cpu or cuda")->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--precision", precision, "fp32 or bf16 (BF16 compute, FP32 master weights)")
       ->capture_default_str()
@@ -59,7 +61,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    const models::ModelConfig config = named_or_json(model_json);
+    models::ModelConfig config = named_or_json(model_json);
+    if (vocab > 0) config.vocab_size = vocab;
     if (device == "cuda" && !cuda_available()) throw std::runtime_error("--device cuda: no GPU present");
     Context ctx = device == "cuda" ? Context::cuda() : Context::cpu();
     models::TransformerLM model(config, precision == "bf16" ? DType::BF16 : DType::F32);

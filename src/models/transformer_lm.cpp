@@ -103,9 +103,10 @@ Tensor TransformerLM::trunk_forward(Context& ctx, const Tensor& inputs, Saved& s
 
 // Mean cross-entropy of h W^T against targets, chunk by chunk. With d_h, also writes the
 // gradient w.r.t. h and accumulates the head weight's gradient, both times `scale`.
-double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& targets, Tensor* d_h, float scale) {
+double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& targets, const Tensor& device_targets,
+                                Tensor* d_h, float scale) {
   const int64_t rows = h.size(0), vocab = config_.vocab_size;
-  const Tensor flat_targets = targets.reshape({rows}).to(ctx.device);
+  const Tensor flat_targets = device_targets.reshape({rows});
   // Counting the valid targets first lets every chunk scale its gradient by the global mean.
   // Targets come from the host-side loader, so this reads host memory, not the device.
   const std::vector<int64_t> host_targets = targets.reshape({rows}).to_ints();
@@ -163,29 +164,34 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
   TESSERA_CHECK(targets.shape() == inputs.shape(), "TransformerLM: targets ", targets.describe(), " must match inputs ",
                 inputs.describe());
   const int64_t batch = inputs.size(0), seq = inputs.size(1);
+  // Every host-to-device copy of the step happens here, before the first kernel: a copy
+  // from pageable host memory waits for the GPU to drain, which costs nothing only here.
+  const Tensor ids = inputs.to(ctx.device), device_targets = targets.to(ctx.device);
+  Tensor positions;
+  if (position_embedding.value.defined()) {
+    Tensor host_positions = Tensor::empty({batch * seq}, DType::I32);
+    for (int64_t i = 0; i < batch * seq; ++i) host_positions.data<int32_t>()[i] = static_cast<int32_t>(i % seq);
+    positions = host_positions.to(ctx.device);
+  }
   Saved saved;
-  const Tensor h = trunk_forward(ctx, inputs, saved);
+  const Tensor h = trunk_forward(ctx, ids, saved);
   Tensor d = Tensor::empty(h.shape(), dtype_, ctx.device);
-  const double loss = head_loss(ctx, h, targets, &d, scale);
+  const double loss = head_loss(ctx, h, targets, device_targets, &d, scale);
   d = final_norm.backward_input(ctx, d, saved.final_norm);
   for (size_t i = layers.size(); i-- > 0;) {
     const Tensor dy = d;
     d = layers[i]->backward_input(ctx, dy, saved.layers[i]);
     layers[i]->backward_weight(ctx, dy, saved.layers[i]);
   }
-  const Tensor ids = inputs.reshape({batch * seq}).to(ctx.device);
-  embedding_backward(ctx, ids, d, token_embedding.grad);
-  if (position_embedding.value.defined()) {
-    Tensor positions = Tensor::empty({batch * seq}, DType::I32);
-    for (int64_t i = 0; i < batch * seq; ++i) positions.data<int32_t>()[i] = static_cast<int32_t>(i % seq);
-    embedding_backward(ctx, positions.to(ctx.device), d, position_embedding.grad);
-  }
+  embedding_backward(ctx, ids.reshape({batch * seq}), d, token_embedding.grad);
+  if (position_embedding.value.defined()) embedding_backward(ctx, positions, d, position_embedding.grad);
   return loss;
 }
 
 double TransformerLM::forward_loss(Context& ctx, const Tensor& inputs, const Tensor& targets) {
   Saved saved;
-  return head_loss(ctx, trunk_forward(ctx, inputs, saved), targets, nullptr, 1.0f);
+  const Tensor ids = inputs.to(ctx.device), device_targets = targets.to(ctx.device);
+  return head_loss(ctx, trunk_forward(ctx, ids, saved), targets, device_targets, nullptr, 1.0f);
 }
 
 Tensor TransformerLM::logits(Context& ctx, const Tensor& inputs) {

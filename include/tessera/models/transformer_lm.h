@@ -60,7 +60,10 @@ class TransformerLM {
   Tensor embed(Context& ctx, const Tensor& inputs) const;                   // [B*T, C]
   Tensor trunk_forward(Context& ctx, const Tensor& inputs, Saved& saved);  // final-norm output [B*T, C]
   nn::Parameter& head_weight() { return config_.tie_embeddings ? token_embedding : lm_head; }
-  double head_loss(Context& ctx, const Tensor& h, const Tensor& targets, Tensor* d_h, float scale);
+  // targets on any device (read on the host to count the valid ones); device_targets the
+  // same ids on ctx's device.
+  double head_loss(Context& ctx, const Tensor& h, const Tensor& targets, const Tensor& device_targets, Tensor* d_h,
+                   float scale);
 
   ModelConfig config_;
   DType dtype_;
