@@ -52,7 +52,7 @@ export -f sanitize_one
 export out
 if want sanitize; then
   log "compute-sanitizer (memcheck, racecheck) started in the background"
-  for tool in memcheck racecheck; do for t in build-gpu/test_gpu_*; do echo "$tool $t"; done; done |
+  for tool in memcheck racecheck; do for t in build-gpu/test_gpu_*; do [ -x "$t" ] && [ "${t%.cmake}" = "$t" ] && echo "$tool $t"; done; done |
     xargs -P 12 -n 2 bash -c 'sanitize_one "$0" "$1"' > "$out/sanitizer.txt" 2>&1 &
   sanitizer_pid=$!
 fi

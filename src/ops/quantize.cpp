@@ -3,6 +3,9 @@
 #include "backend/cpu/quantize.h"
 #include "dispatch.h"
 #include "tessera/core/numeric.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/quantize.h"
+#endif
 
 namespace tessera {
 namespace {
@@ -72,7 +75,15 @@ void amax(Context& ctx, const Tensor& x, Tensor& amax_out) {
   check_floating(x, op, "x");
   check_scalar_f32(amax_out, op, "amax_out");
   check_on_device(ctx, op, {&x, &amax_out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::quantize_input_supported(x.dtype())) {
+      cuda::amax(ctx.stream, x, amax_out);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::amax(x, amax_out);
 }
 
@@ -86,7 +97,15 @@ void quantize_per_tensor(Context& ctx, const Tensor& x, const Tensor& scale, Ten
   check_same_shape(x, out, op, "x", "out");
   if (amax_out.defined()) check_scalar_f32(amax_out, op, "amax_out");
   check_on_device(ctx, op, {&x, &scale, &out, &amax_out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::quantize_input_supported(x.dtype())) {
+      cuda::quantize_per_tensor(ctx.stream, x, scale, out, amax_out);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::quantize_per_tensor(x, scale, out, amax_out);
 }
 
@@ -104,7 +123,15 @@ void dequantize_per_tensor(Context& ctx, const Tensor& q, const Tensor& scale_in
   check_dequantized(out, op, "out");
   check_same_shape(q, out, op, "q", "out");
   check_on_device(ctx, op, {&q, &scale_inv, &out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::dequantize_output_supported(out.dtype())) {
+      cuda::dequantize_per_tensor(ctx.stream, q, scale_inv, out);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::dequantize_per_tensor(q, scale_inv, out);
 }
 
@@ -121,7 +148,15 @@ void quantize_blockwise(Context& ctx, const Tensor& x, Tensor& out, Tensor& scal
   check_dtype(scale_inv, DType::F32, op, "scale_inv");
   check_shape(scale_inv, block_scale_shape(x.size(0), x.size(1), blocks), op, "scale_inv");
   check_on_device(ctx, op, {&x, &out, &scale_inv});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::quantize_input_supported(x.dtype()) && cuda::blockwise_supported(x.size(0), x.size(1), blocks)) {
+      cuda::quantize_blockwise(ctx.stream, x, out, scale_inv, blocks);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::quantize_blockwise(x, out, scale_inv, blocks);
 }
 
@@ -139,7 +174,15 @@ void dequantize_blockwise(Context& ctx, const Tensor& q, const Tensor& scale_inv
   check_dequantized(out, op, "out");
   check_same_shape(q, out, op, "q", "out");
   check_on_device(ctx, op, {&q, &scale_inv, &out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::dequantize_output_supported(out.dtype())) {
+      cuda::dequantize_blockwise(ctx.stream, q, scale_inv, out, blocks);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::dequantize_blockwise(q, scale_inv, out, blocks);
 }
 
@@ -155,7 +198,15 @@ void quantize_mxfp8(Context& ctx, const Tensor& x, Tensor& out, Tensor& scales) 
   check_dtype(scales, DType::E8M0, op, "scales");
   check_shape(scales, {x.size(0), ceil_div(x.size(1), kMxBlockSize)}, op, "scales");
   check_on_device(ctx, op, {&x, &out, &scales});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::quantize_input_supported(x.dtype())) {
+      cuda::quantize_mxfp8(ctx.stream, x, out, scales);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::quantize_mxfp8(x, out, scales);
 }
 
@@ -171,7 +222,15 @@ void dequantize_mxfp8(Context& ctx, const Tensor& q, const Tensor& scales, Tenso
   check_dequantized(out, op, "out");
   check_same_shape(q, out, op, "q", "out");
   check_on_device(ctx, op, {&q, &scales, &out});
-  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::dequantize_output_supported(out.dtype())) {
+      cuda::dequantize_mxfp8(ctx.stream, q, scales, out);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
   cpu::dequantize_mxfp8(q, scales, out);
 }
 
