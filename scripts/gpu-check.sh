@@ -11,6 +11,11 @@
 #   bench          training step, tessera vs PyTorch eager: GPT-2 124M and Llama-3.2-1B-shaped
 #   bench-compile  the same with torch.compile as well (slower to run)
 #   attention      attention kernels, tessera vs PyTorch SDPA backends
+#   demo           `tessera train configs/demo.yaml --device cuda` end to end (sample + plot);
+#                  the text is data/kjv.txt when present, else the repository's docs
+#
+# SANITIZE_ONLY=name limits the sanitizer to test_gpu_<name>; SANITIZE_TIMEOUT (seconds,
+# default 240) bounds each sanitizer run.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -41,20 +46,34 @@ summary=()
 # room), each bounded in time; the whole part runs beside the plain GPU tests.
 sanitize_one() {
   local tool=$1 t=$2 log="$out/sanitizer-$1-$(basename "$2").log"
-  timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" --gtest_filter='-*OutOfMemory*:*TrainingCurves*' \
+  timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" --gtest_filter='-*OutOfMemory*:*TrainingCurves*' \
     > "$log" 2>&1
   local rc=$?
   if [ $rc -eq 0 ]; then echo "$tool $(basename "$t"): clean"
-  elif [ $rc -eq 124 ]; then echo "$tool $(basename "$t"): TIMED OUT (240 s)"
+  elif [ $rc -eq 124 ]; then echo "$tool $(basename "$t"): TIMED OUT (${SANITIZE_TIMEOUT:-240} s)"
   else echo "$tool $(basename "$t"): FINDINGS (exit $rc)"; grep -m5 -E "Invalid|Race|hazard|Error:|FAILED" "$log"; fi
 }
 export -f sanitize_one
-export out
+export out SANITIZE_TIMEOUT
 if want sanitize; then
   log "compute-sanitizer (memcheck, racecheck) started in the background"
-  for tool in memcheck racecheck; do for t in build-gpu/test_gpu_*; do [ -x "$t" ] && [ "${t%.cmake}" = "$t" ] && echo "$tool $t"; done; done |
+  for tool in memcheck racecheck; do for t in build-gpu/test_gpu_${SANITIZE_ONLY:-*}; do [ -x "$t" ] && [ "${t%.cmake}" = "$t" ] && echo "$tool $t"; done; done |
     xargs -P 12 -n 2 bash -c 'sanitize_one "$0" "$1"' > "$out/sanitizer.txt" 2>&1 &
   sanitizer_pid=$!
+fi
+
+if want demo; then
+  log "demo on the GPU: tessera train configs/demo.yaml --device cuda"
+  text=data/kjv.txt
+  if [ ! -s "$text" ]; then text="$out/demo-text.txt"; cat README.md docs/*.md docs/ops/*.md > "$text"; fi
+  rm -rf "$out/demo"
+  build-gpu/tessera train configs/demo.yaml --device cuda --set data.text="$text" --set training.out_dir="$out/demo" \
+    > "$out/demo.log" 2>&1
+  echo "exit $?"
+  grep -E "^train:|val_loss|step 480" "$out/demo.log" | head -12
+  sed -n '/--- sample ---/,/-----------/p' "$out/demo.log" | head -12
+  build-gpu/tessera plot "$out/demo" --out "$out/demo/loss.png" --title "demo on the H200" && rm -rf "$out/demo/checkpoints"
+  summary+=("demo: $(grep -E '^train: step' "$out/demo.log")")
 fi
 
 if want tests; then

@@ -63,8 +63,19 @@ DType pick_dtype(const std::string& precision, const Context& ctx) {
 data::TokenFile open_tokens(const RunConfig& c, const data::Tokenizer& tokenizer) {
   if (!c.data.path.empty()) return data::TokenFile::open(c.data.path);
   TESSERA_CHECK(!c.data.text.empty(), "config: set data.path (a token file) or data.text (a text file)");
+  // The cache remembers which text it came from (path, size, modification time), so a
+  // changed or different text is tokenized again instead of reusing stale tokens.
   const std::string cached = (fs::path(c.training.out_dir) / ("tokens-" + tokenizer.name() + ".bin")).string();
-  if (!fs::exists(cached)) prepare_text(c.data.text, tokenizer, cached);
+  std::error_code ec;
+  const fs::path text = fs::absolute(c.data.text, ec);
+  const std::string source = text.string() + "\n" + std::to_string(fs::file_size(text, ec)) + "\n" +
+                             std::to_string(fs::last_write_time(text, ec).time_since_epoch().count()) + "\n";
+  const std::string source_path = cached + ".source";
+  const bool fresh = fs::exists(cached) && fs::exists(source_path) && io::read_file(source_path) == source;
+  if (!fresh) {
+    prepare_text(c.data.text, tokenizer, cached);
+    io::write_file_atomically(source_path, source);
+  }
   return data::TokenFile::open(cached);
 }
 
