@@ -47,6 +47,22 @@ void TransformerLM::zero_grad() {
 
 void TransformerLM::to(Device device) {
   for (nn::Parameter* p : parameters()) p->to(device);
+  head_value_padded_ = head_grad_padded_ = Tensor();
+  // On the GPU the LM head weight lives in a buffer with its rows padded to a multiple of
+  // 64 (GPT-2's 50257 -> 50304), as llm.c does: the head's three GEMMs then have aligned
+  // shapes, which is worth a third of GPT-2's step. The parameter's value and gradient are
+  // views of the first V rows; the padding rows stay zero (their logits are exactly 0, their
+  // gradient rows receive 0 * h), and no optimizer, checkpoint or import ever sees them.
+  const int64_t vocab = config_.vocab_size, padded = (vocab + 63) / 64 * 64;
+  if (!device.is_cuda() || padded == vocab) return;
+  nn::Parameter& w = head_weight();
+  head_value_padded_ = Tensor::zeros({padded, config_.hidden_size}, w.value.dtype(), device);
+  head_grad_padded_ = Tensor::zeros({padded, config_.hidden_size}, w.grad.dtype(), device);
+  Tensor value = head_value_padded_.slice(0, 0, vocab), grad = head_grad_padded_.slice(0, 0, vocab);
+  value.copy_from(w.value);
+  grad.copy_from(w.grad);
+  w.value = value;
+  w.grad = grad;
 }
 
 void TransformerLM::refresh_values(Context& ctx) {
@@ -123,6 +139,10 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
     return 0.0;
   }
   nn::Parameter& w = head_weight();
+  // The head's GEMMs run over all rows of the padded weight when there is one (see to()).
+  const Tensor w_full = head_value_padded_.defined() ? head_value_padded_ : w.value;
+  Tensor grad_full = head_grad_padded_.defined() ? head_grad_padded_ : w.grad;
+  const int64_t vocab_full = w_full.size(0);
   const DType stats = nn::master_dtype(dtype_);
   // Each chunk's mean loss lands in its own slot on the device; one copy at the end, so the
   // loop never waits for the GPU.
@@ -139,9 +159,11 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
     // On the GPU the logits' row stride is padded to a multiple of 8 elements: with GPT-2's
     // odd vocabulary (50257) unpadded rows would push all three head GEMMs off cuBLASLt's
     // aligned tensor-core kernels.
-    const int64_t row_stride = ctx.device.is_cuda() ? (vocab + 7) / 8 * 8 : vocab;
-    Tensor logits = Tensor::empty({n, row_stride}, dtype_, ctx.device).slice(1, 0, vocab);
-    gemm(ctx, h_chunk, w.value, logits, {.transpose_b = true});
+    // (The padded weight's extra columns come out exactly 0 and the loss ignores them.)
+    const int64_t row_stride = ctx.device.is_cuda() ? (vocab_full + 7) / 8 * 8 : vocab_full;
+    Tensor logits_full = Tensor::empty({n, row_stride}, dtype_, ctx.device).slice(1, 0, vocab_full);
+    gemm(ctx, h_chunk, w_full, logits_full, {.transpose_b = true});
+    Tensor logits = logits_full.slice(1, 0, vocab);
     Tensor chunk_loss = chunk_losses.slice(0, r0 / kHeadChunkRows, r0 / kHeadChunkRows + 1);
     Tensor lse = Tensor::empty({n}, stats, ctx.device);
     cross_entropy_forward(ctx, logits, t_chunk, chunk_loss, lse, {.ignore_index = kIgnoreIndex});
@@ -151,8 +173,9 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
     cross_entropy_backward(ctx, logits, t_chunk, lse, static_cast<float>(weight * scale), d_logits,
                            {.ignore_index = kIgnoreIndex});
     Tensor d_h_chunk = d_h->slice(0, r0, r1);
-    gemm(ctx, d_logits, w.value, d_h_chunk);                                                    // dh = dlogits W
-    gemm(ctx, d_logits, h_chunk, w.grad, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
+    // d_logits is a view of logits_full, whose padding columns still hold 0.
+    gemm(ctx, logits_full, w_full, d_h_chunk);                                 // dh = dlogits W
+    gemm(ctx, logits_full, h_chunk, grad_full, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
   }
   const Tensor host_losses = chunk_losses.to(Device::cpu());
   double loss = 0;

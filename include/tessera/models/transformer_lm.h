@@ -67,6 +67,9 @@ class TransformerLM {
 
   ModelConfig config_;
   DType dtype_;
+  // On CUDA with a vocabulary that is not a multiple of 64: the head weight's value and
+  // gradient with zero padding rows; the Parameter holds views of their first V rows.
+  Tensor head_value_padded_, head_grad_padded_;
 
  public:
   nn::Parameter token_embedding;     // [V, C]
