@@ -4,6 +4,7 @@
 // place, outputs poisoned first, NaN staying in its pair. Skipped (saying so) where no GPU
 // is present.
 #include <cmath>
+#include <tuple>
 
 #include "tessera/core/allocator.h"
 #include "tessera/ops/rope.h"
@@ -112,4 +113,42 @@ TEST(GpuRope, UnsupportedDtypesAreAClearError) {
   EXPECT_THROW(rope_forward(gpu, x, y), Error);  // x and y must share a dtype on CUDA
   Tensor h = Tensor::zeros({1, 2, 1, 4}, DType::F16, kCuda);
   EXPECT_THROW(rope_backward(gpu, h, h), Error);
+}
+
+// Split + rotate in one pass: Q and K head slices of a fused QKV projection (token stride
+// (Hq + 2 Hkv) * D, aligned and unaligned for the vector path) against the CPU, forward
+// into a packed tensor and backward into a slice of a fused gradient.
+TEST(GpuRope, HeadSlicesOfAFusedProjection) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  const Device cuda = Device::cuda();
+  uint64_t seed = 400;
+  for (DType t : {DType::BF16, DType::F32}) {
+    for (auto [heads_total, hq, hkv, d] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{6, 4, 1, 64}, {12, 8, 2, 128},
+                                           {5, 3, 1, 16}, {7, 5, 1, 6}}) {
+      const std::string what = std::string(dtype_name(t)) + " heads " + std::to_string(heads_total) + " d " +
+                               std::to_string(d);
+      const RopeOptions o{.theta = 10000.0f, .position_offset = 2};
+      const Tensor fused = random_tensor({3, 17, heads_total, d}, t, seed++);
+      const Tensor fused_gpu = fused.to(cuda);
+      for (auto [h0, h1] : {std::pair<int64_t, int64_t>{0, hq}, {hq, hq + hkv}}) {
+        Tensor want = Tensor::empty({3, 17, h1 - h0, d}, t);
+        rope_forward(cpu, fused.slice(2, h0, h1), want, o);
+        Tensor got = Tensor::empty({3, 17, h1 - h0, d}, t);
+        poison(got);
+        got = got.to(cuda);
+        rope_forward(gpu, fused_gpu.slice(2, h0, h1), got, o);
+        EXPECT_EQ(relative_error(got.to(Device::cpu()), want), 0.0) << what << " forward heads " << h0;
+        // Backward into the slice of a fused gradient; the other heads stay untouched.
+        const Tensor dy = random_tensor({3, 17, h1 - h0, d}, t, seed++);
+        Tensor d_want = Tensor::zeros({3, 17, heads_total, d}, t);
+        Tensor d_want_part = d_want.slice(2, h0, h1);
+        rope_backward(cpu, dy, d_want_part, o);
+        Tensor d_got = Tensor::zeros({3, 17, heads_total, d}, t, cuda);
+        Tensor d_got_part = d_got.slice(2, h0, h1);
+        rope_backward(gpu, dy.to(cuda), d_got_part, o);
+        EXPECT_EQ(relative_error(d_got.to(Device::cpu()), d_want), 0.0) << what << " backward heads " << h0;
+      }
+    }
+  }
 }

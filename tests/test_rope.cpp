@@ -198,3 +198,26 @@ TEST(Rope, ThreadedMatchesSmallSerialBlocks) {
               dx.slice(0, b, b + 1).contiguous().to_doubles());
   }
 }
+
+// Q and K sliced from a fused [B, T, Hq + 2 Hkv, D] projection (tokens at a stride) rotate
+// like their packed copies, in both directions, and the backward may write into a slice.
+TEST(Rope, HeadSlicesOfAFusedProjection) {
+  Context ctx = Context::cpu();
+  const Tensor fused = random_tensor({2, 5, 7, 8}, DType::F32, 91);
+  const RopeOptions o{.theta = 500.0f, .position_offset = 3};
+  const Tensor q = fused.slice(2, 0, 4);
+  Tensor got = Tensor::empty({2, 5, 4, 8}, DType::F32), want = Tensor::empty({2, 5, 4, 8}, DType::F32);
+  rope_forward(ctx, q, got, o);
+  rope_forward(ctx, q.contiguous(), want, o);
+  EXPECT_EQ(relative_error(got, want), 0.0);
+  Tensor d_fused = Tensor::zeros({2, 5, 7, 8}, DType::F32);
+  Tensor d_k = d_fused.slice(2, 4, 5);
+  const Tensor dy = random_tensor({2, 5, 1, 8}, DType::F32, 92);
+  rope_backward(ctx, dy, d_k, o);
+  Tensor want_dk = Tensor::empty({2, 5, 1, 8}, DType::F32);
+  rope_backward(ctx, dy, want_dk, o);
+  EXPECT_EQ(relative_error(d_k.contiguous(), want_dk), 0.0);
+  EXPECT_EQ(d_fused.slice(2, 5, 7).contiguous().to_floats(), std::vector<float>(2 * 5 * 2 * 8, 0.0f));
+  // A transposed view is not a head slice.
+  EXPECT_THROW(rope_forward(ctx, fused.transpose(1, 2), got, o), Error);
+}

@@ -14,15 +14,19 @@ SelfAttention::SelfAttention(const std::string& name, const AttentionConfig& c, 
 Tensor SelfAttention::forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const {
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = head_dim_;
   const Tensor fused = qkv.forward(ctx, x, saved.qkv_in).reshape({batch, seq, hq + 2 * hkv, d});
-  // The attention op wants each of Q, K, V contiguous: split the fused projection.
-  saved.q = fused.slice(2, 0, hq).contiguous();
-  saved.k = fused.slice(2, hq, hq + hkv).contiguous();
-  saved.v = fused.slice(2, hq + hkv, hq + 2 * hkv).contiguous();
+  // The attention op wants each of Q, K, V contiguous: split the fused projection. With
+  // RoPE the rotation reads Q and K straight from the fused rows (split + rotate in one pass).
   if (config_.rope) {
     const RopeOptions rope{.theta = config_.rope_theta};
-    rope_forward(ctx, saved.q, saved.q, rope);
-    rope_forward(ctx, saved.k, saved.k, rope);
+    saved.q = Tensor::empty({batch, seq, hq, d}, x.dtype(), ctx.device);
+    saved.k = Tensor::empty({batch, seq, hkv, d}, x.dtype(), ctx.device);
+    rope_forward(ctx, fused.slice(2, 0, hq), saved.q, rope);
+    rope_forward(ctx, fused.slice(2, hq, hq + hkv), saved.k, rope);
+  } else {
+    saved.q = fused.slice(2, 0, hq).contiguous();
+    saved.k = fused.slice(2, hq, hq + hkv).contiguous();
   }
+  saved.v = fused.slice(2, hq + hkv, hq + 2 * hkv).contiguous();
   const DType stats = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
   saved.out = Tensor::empty({batch, seq, hq, d}, x.dtype(), ctx.device);
   saved.lse = Tensor::empty({batch, hq, seq}, stats, ctx.device);
@@ -38,14 +42,16 @@ Tensor SelfAttention::backward_input(Context& ctx, const Tensor& dy, Saved& save
   Tensor dk = Tensor::empty(saved.k.shape(), dy.dtype(), ctx.device);
   Tensor dv = Tensor::empty(saved.v.shape(), dy.dtype(), ctx.device);
   attention_backward(ctx, d_out, saved.q, saved.k, saved.v, saved.out, saved.lse, dq, dk, dv, {.causal = config_.causal});
-  if (config_.rope) {
-    const RopeOptions rope{.theta = config_.rope_theta};
-    rope_backward(ctx, dq, dq, rope);
-    rope_backward(ctx, dk, dk, rope);
-  }
   saved.d_qkv = Tensor::empty({batch, seq, hq + 2 * hkv, d}, dy.dtype(), ctx.device);
-  saved.d_qkv.slice(2, 0, hq).copy_from(dq);
-  saved.d_qkv.slice(2, hq, hq + hkv).copy_from(dk);
+  Tensor d_q_part = saved.d_qkv.slice(2, 0, hq), d_k_part = saved.d_qkv.slice(2, hq, hq + hkv);
+  if (config_.rope) {  // the inverse rotation writes straight into the fused gradient
+    const RopeOptions rope{.theta = config_.rope_theta};
+    rope_backward(ctx, dq, d_q_part, rope);
+    rope_backward(ctx, dk, d_k_part, rope);
+  } else {
+    d_q_part.copy_from(dq);
+    d_k_part.copy_from(dk);
+  }
   saved.d_qkv.slice(2, hq + hkv, hq + 2 * hkv).copy_from(dv);
   saved.d_qkv = saved.d_qkv.reshape({batch * seq, (hq + 2 * hkv) * d});
   return qkv.backward_input(ctx, saved.d_qkv, saved.qkv_in);

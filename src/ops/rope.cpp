@@ -11,16 +11,33 @@
 namespace tessera {
 namespace {
 
+// [B, T, H, D] with each token's H * D values packed and tokens at a common stride: a
+// contiguous tensor, or the Q or K heads sliced out of a fused [B, T, Hq + 2 Hkv, D] QKV
+// projection (so the split and the rotation are one pass).
+bool heads_packed(const Tensor& t) {
+  return t.dim() == 4 && (t.is_contiguous() || (t.stride(3) == 1 && t.stride(2) == t.size(3) &&
+                                                t.stride(1) >= t.size(2) * t.size(3) &&
+                                                t.stride(0) == t.size(1) * t.stride(1)));
+}
+
+int64_t span_bytes(const Tensor& t) {
+  int64_t last = 0;
+  for (int d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return (last + 1) * static_cast<int64_t>(dtype_size(t.dtype()));
+}
+
 void check_rope_arguments(const Tensor& in, const char* in_name, const Tensor& out, const char* out_name,
                           const RopeOptions& options, const char* op) {
-  check_contiguous(in, op, in_name);
   check_floating(in, op, in_name);
   TESSERA_CHECK(in.dim() == 4, op, ": ", in_name, " must be 4-D [B, T, H, D], got ", in.describe());
+  TESSERA_CHECK(heads_packed(in), op, ": ", in_name, " must be contiguous or a head slice of a contiguous ",
+                "[B, T, heads, D] tensor, got ", in.describe());
   TESSERA_CHECK(in.size(3) % 2 == 0, op, ": the head dimension D of ", in_name,
                 " must be even (pairs (i, i + D/2) rotate together), got ", in.describe());
-  check_contiguous(out, op, out_name);
   check_floating(out, op, out_name);
   check_shape(out, in.shape(), op, out_name);
+  TESSERA_CHECK(heads_packed(out), op, ": ", out_name, " must be contiguous or a head slice of a contiguous ",
+                "[B, T, heads, D] tensor, got ", out.describe());
   TESSERA_CHECK(std::isfinite(options.theta) && options.theta > 0.0f, op, ": theta must be finite and > 0, got ",
                 options.theta);
   TESSERA_CHECK(options.position_offset >= 0, op, ": position_offset must be >= 0, got ", options.position_offset);
@@ -28,10 +45,11 @@ void check_rope_arguments(const Tensor& in, const char* in_name, const Tensor& o
   // partial overlap would read values already rotated.
   const int64_t in_begin = in.offset() * static_cast<int64_t>(dtype_size(in.dtype()));
   const int64_t out_begin = out.offset() * static_cast<int64_t>(dtype_size(out.dtype()));
-  const int64_t in_end = in_begin + static_cast<int64_t>(in.nbytes());
-  const int64_t out_end = out_begin + static_cast<int64_t>(out.nbytes());
+  const int64_t in_end = in_begin + span_bytes(in);
+  const int64_t out_end = out_begin + span_bytes(out);
   const bool overlap = in.shares_storage(out) && in_begin < out_end && out_begin < in_end;
-  TESSERA_CHECK(!overlap || (in_begin == out_begin && in.dtype() == out.dtype()), op, ": ", out_name,
+  TESSERA_CHECK(!overlap || (in_begin == out_begin && in.dtype() == out.dtype() && in.strides() == out.strides()), op,
+                ": ", out_name,
                 " overlaps ", in_name, " without being the same tensor");
 }
 
@@ -51,7 +69,13 @@ void rope_forward(Context& ctx, const Tensor& x, Tensor& y, const RopeOptions& o
     fail_no_kernel(op, ctx);
   }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
-  cpu::rope_forward(x, y, options);
+  if (y.is_contiguous()) {
+    cpu::rope_forward(x.contiguous(), y, options);
+  } else {  // the reference wants packed tensors
+    Tensor packed = Tensor::empty(y.shape(), y.dtype());
+    cpu::rope_forward(x.contiguous(), packed, options);
+    y.copy_from(packed);
+  }
 }
 
 void rope_backward(Context& ctx, const Tensor& dy, Tensor& dx, const RopeOptions& options) {
@@ -68,7 +92,13 @@ void rope_backward(Context& ctx, const Tensor& dy, Tensor& dx, const RopeOptions
     fail_no_kernel(op, ctx);
   }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
-  cpu::rope_backward(dy, dx, options);
+  if (dx.is_contiguous()) {
+    cpu::rope_backward(dy.contiguous(), dx, options);
+  } else {
+    Tensor packed = Tensor::empty(dx.shape(), dx.dtype());
+    cpu::rope_backward(dy.contiguous(), packed, options);
+    dx.copy_from(packed);
+  }
 }
 
 }  // namespace tessera

@@ -2,7 +2,9 @@
 // backward (the rotation by -angle), with the table precision and rounding of the CPU
 // reference (backend/cpu/rope.cpp).
 //
-// Layout: contiguous [B, T, H, D], D even; element i of a head vector pairs with i + D/2.
+// Layout: [B, T, H, D], D even, each token's H * D values packed and tokens at a common
+// stride (contiguous, or Q / K sliced from a fused QKV projection, which makes the split
+// and the rotation one pass); element i of a head vector pairs with i + D/2.
 // A first kernel builds the [T, D/2] cosine and sine tables in double (pow, sincos) and
 // rounds them once to float, exactly as the reference does; the table is small (8 bytes per
 // entry, T*D/2 entries, shared by every batch row and head) and stays in L2. The rotation
@@ -95,7 +97,7 @@ __global__ void rope_table_kernel(float* cos_t, float* sin_t, int64_t seq, int64
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kRotateThreads)
     rope_rotate_kernel(const T* in, T* out, const float* cos_t, const float* sin_t, int tokens, int seq, int heads,
-                       int half) {
+                       int half, int64_t in_token_stride, int64_t out_token_stride) {
   const int token = blockIdx.x * blockDim.y + threadIdx.y;
   if (token >= tokens) return;
   const int t = token % seq, vectors_per_head = half / VEC, per_token = heads * vectors_per_head;
@@ -103,10 +105,11 @@ __global__ void __launch_bounds__(kRotateThreads)
   const float* st = sin_t + int64_t(t) * half;
   for (int k = threadIdx.x; k < per_token; k += blockDim.x) {
     const int h = k / vectors_per_head, i = (k - h * vectors_per_head) * VEC;
-    const int64_t base = (int64_t(token) * heads + h) * (2 * int64_t(half)) + i;
+    const int64_t head = int64_t(h) * (2 * int64_t(half)) + i;
+    const int64_t in_base = int64_t(token) * in_token_stride + head, out_base = int64_t(token) * out_token_stride + head;
     float a[VEC], b[VEC], c[VEC], s[VEC], ya[VEC], yb[VEC];
-    load_vec<T, VEC>(in + base, a);
-    load_vec<T, VEC>(in + base + half, b);
+    load_vec<T, VEC>(in + in_base, a);
+    load_vec<T, VEC>(in + in_base + half, b);
     load_vec<float, VEC>(ct + i, c);
     load_vec<float, VEC>(st + i, s);
 #pragma unroll
@@ -114,8 +117,8 @@ __global__ void __launch_bounds__(kRotateThreads)
       ya[k2] = __fsub_rn(__fmul_rn(a[k2], c[k2]), __fmul_rn(b[k2], s[k2]));
       yb[k2] = __fadd_rn(__fmul_rn(b[k2], c[k2]), __fmul_rn(a[k2], s[k2]));
     }
-    store_vec<T, VEC>(out + base, ya);
-    store_vec<T, VEC>(out + base + half, yb);
+    store_vec<T, VEC>(out + out_base, ya);
+    store_vec<T, VEC>(out + out_base + half, yb);
   }
 }
 
@@ -130,8 +133,9 @@ void launch_rotate(cudaStream_t s, const Tensor& in, Tensor& out, const float* c
   int tx = 1;
   while (tx < per_token && tx < kRotateThreads) tx *= 2;
   const dim3 block(tx, kRotateThreads / tx);  // narrow tokens share a block, so no lane idles
-  rope_rotate_kernel<T, VEC><<<unsigned(ceil_div(tokens, block.y)), block, 0, s>>>(in.data<T>(), out.data<T>(), cos_t,
-                                                                                   sin_t, tokens, seq, heads, half);
+  // Tokens at a stride (1 for a contiguous tensor's H * D): Q or K sliced from a fused QKV.
+  rope_rotate_kernel<T, VEC><<<unsigned(ceil_div(tokens, block.y)), block, 0, s>>>(
+      in.data<T>(), out.data<T>(), cos_t, sin_t, tokens, seq, heads, half, in.stride(1), out.stride(1));
 }
 
 void rotate(void* stream, const Tensor& in, Tensor& out, const RopeOptions& options, int direction, const char* op) {
@@ -154,12 +158,14 @@ void rotate(void* stream, const Tensor& in, Tensor& out, const RopeOptions& opti
   TESSERA_CUDA_CHECK_LAUNCH();
 
   const auto n_tokens = int(tokens), n_seq = int(seq), n_heads = int(heads), n_half = int(half);
+  // 16-byte vectors need every token's start aligned too: token strides in whole vectors.
+  const auto strides_allow = [&](int64_t vec) { return in.stride(1) % vec == 0 && out.stride(1) % vec == 0; };
   if (in.dtype() == DType::F32) {
-    if (half % 4 == 0 && aligned16(in.raw_data()) && aligned16(out.raw_data()))
+    if (half % 4 == 0 && strides_allow(4) && aligned16(in.raw_data()) && aligned16(out.raw_data()))
       launch_rotate<float, 4>(s, in, out, cos_t, sin_t, n_tokens, n_seq, n_heads, n_half);
     else launch_rotate<float, 1>(s, in, out, cos_t, sin_t, n_tokens, n_seq, n_heads, n_half);
   } else {
-    if (half % 8 == 0 && aligned16(in.raw_data()) && aligned16(out.raw_data()))
+    if (half % 8 == 0 && strides_allow(8) && aligned16(in.raw_data()) && aligned16(out.raw_data()))
       launch_rotate<uint16_t, 8>(s, in, out, cos_t, sin_t, n_tokens, n_seq, n_heads, n_half);
     else launch_rotate<uint16_t, 1>(s, in, out, cos_t, sin_t, n_tokens, n_seq, n_heads, n_half);
   }
