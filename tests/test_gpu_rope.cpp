@@ -129,6 +129,8 @@ TEST(GpuRope, HeadSlicesOfAFusedProjection) {
       const std::string what = std::string(dtype_name(t)) + " heads " + std::to_string(heads_total) + " d " +
                                std::to_string(d);
       const RopeOptions o{.theta = 10000.0f, .position_offset = 2};
+      // Bit-identical except where CUDA's double pow/sincos round a table entry differently.
+      const double tol = t == DType::BF16 ? 1e-2 : 1e-6;
       const Tensor fused = random_tensor({3, 17, heads_total, d}, t, seed++);
       const Tensor fused_gpu = fused.to(cuda);
       for (auto [h0, h1] : {std::pair<int64_t, int64_t>{0, hq}, {hq, hq + hkv}}) {
@@ -138,7 +140,7 @@ TEST(GpuRope, HeadSlicesOfAFusedProjection) {
         poison(got);
         got = got.to(cuda);
         rope_forward(gpu, fused_gpu.slice(2, h0, h1), got, o);
-        EXPECT_EQ(relative_error(got.to(Device::cpu()), want), 0.0) << what << " forward heads " << h0;
+        EXPECT_LT(relative_error(got.to(Device::cpu()), want), tol) << what << " forward heads " << h0;
         // Backward into the slice of a fused gradient; the other heads stay untouched.
         const Tensor dy = random_tensor({3, 17, h1 - h0, d}, t, seed++);
         Tensor d_want = Tensor::zeros({3, 17, heads_total, d}, t);
@@ -147,7 +149,7 @@ TEST(GpuRope, HeadSlicesOfAFusedProjection) {
         Tensor d_got = Tensor::zeros({3, 17, heads_total, d}, t, cuda);
         Tensor d_got_part = d_got.slice(2, h0, h1);
         rope_backward(gpu, dy.to(cuda), d_got_part, o);
-        EXPECT_EQ(relative_error(d_got.to(Device::cpu()), d_want), 0.0) << what << " backward heads " << h0;
+        EXPECT_LT(relative_error(d_got.to(Device::cpu()), d_want), tol) << what << " backward heads " << h0;
       }
     }
   }
