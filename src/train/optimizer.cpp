@@ -5,7 +5,6 @@
 #include <map>
 
 #include "tessera/ops/elementwise.h"
-#include "tessera/ops/gemm.h"
 #include "tessera/ops/optimizer.h"
 
 namespace tessera::train {
@@ -28,35 +27,28 @@ Optimizer::Optimizer(nn::ParameterList parameters, const OptimizerConfig& config
 }
 
 double Optimizer::step(Context& ctx, double lr) {
-  // Global norm: each parameter's sum of squares into its own slot of one device tensor,
-  // read back with a single copy (one host sync per step, not one per parameter).
-  const DType acc = params_.empty() ? DType::F32 : params_[0]->grad.dtype();
-  const int64_t n = static_cast<int64_t>(params_.size());
-  Tensor partials = Tensor::empty({std::max<int64_t>(n, 1)}, acc == DType::F64 ? DType::F64 : DType::F32, ctx.device);
-  for (int64_t i = 0; i < n; ++i) {
-    Tensor slot = partials.slice(0, i, i + 1);
-    sum_of_squares(ctx, params_[i]->grad, slot);
+  // The norm stays F64 so that the clip factor is computed from the very double the
+  // earlier per-parameter path computed on the host (the same bits on the CPU).
+  if (!norm_.defined() || norm_.device() != ctx.device) norm_ = Tensor::zeros({1}, DType::F64, ctx.device);
+  std::vector<Tensor> weights, grads, values;
+  std::vector<float> weight_decays;
+  for (nn::Parameter* p : params_) {
+    weights.push_back(p->weights());
+    grads.push_back(p->grad);
+    values.push_back(p->master.defined() ? p->value : Tensor());  // the BF16 copy to refresh
+    weight_decays.push_back(p->weight_decay ? float(config_.weight_decay) : 0.0f);
   }
-  double total = 0;
-  if (n > 0) {
-    const Tensor host = partials.to(Device::cpu());
-    for (int64_t i = 0; i < n; ++i) total += host.item(i);
-  }
-  const double norm = std::sqrt(total);
-  const double clip = (config_.grad_clip > 0 && norm > config_.grad_clip) ? config_.grad_clip / (norm + 1e-6) : 1.0;
+  global_grad_norm(ctx, grads, norm_, &norm_cache_);
   step_ += 1;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    nn::Parameter* p = params_[i];
-    // Scaling lr and eps with the clip factor would not be the same update as clipping
-    // (Adam is scale invariant except for eps), so the gradient itself is scaled.
-    if (clip != 1.0) scale(ctx, p->grad, static_cast<float>(clip), p->grad);
-    const AdamWOptions options{.lr = float(lr), .beta1 = float(config_.beta1), .beta2 = float(config_.beta2),
-                               .eps = float(config_.eps),
-                               .weight_decay = p->weight_decay ? float(config_.weight_decay) : 0.0f, .step = step_};
-    adamw_step(ctx, p->weights(), p->grad, exp_avg_[i], exp_avg_sq_[i], options);
-    p->refresh_value(ctx);
-  }
-  return norm;
+  // Clipping scales the gradient, not lr and eps: Adam is scale invariant except for eps,
+  // so scaling those would be another update.
+  const AdamWOptions options{.lr = float(lr), .beta1 = float(config_.beta1), .beta2 = float(config_.beta2),
+                             .eps = float(config_.eps), .weight_decay = 0.0f, .step = step_};
+  adamw_step_multi(ctx, weights, grads, exp_avg_, exp_avg_sq_, values, options, weight_decays, norm_,
+                   config_.grad_clip > 0 ? config_.grad_clip : 0.0, &adamw_cache_);
+  // The one host wait of the step: everything above is queued by now.
+  synchronize(ctx);
+  return norm_.to(Device::cpu()).item(0);
 }
 
 std::vector<std::pair<std::string, Tensor>> Optimizer::state() const {

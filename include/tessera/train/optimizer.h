@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "tessera/nn/parameter.h"
+#include "tessera/ops/optimizer.h"
 #include "tessera/train/config.h"
 
 namespace tessera::train {
@@ -19,7 +20,10 @@ class Optimizer {
   Optimizer(nn::ParameterList parameters, const OptimizerConfig& config);
 
   // Clips the gradients to config.grad_clip (global L2 norm), then applies one AdamW update
-  // with learning rate `lr`. Returns the gradient norm before clipping.
+  // with learning rate `lr` and refreshes BF16 values from their FP32 masters. Returns the
+  // gradient norm before clipping. Three launches on CUDA (global_grad_norm,
+  // adamw_step_multi); the host waits once, at the end, to read the norm. The gradients
+  // are left unclipped (they are only read).
   double step(Context& ctx, double lr);
   int64_t steps_taken() const { return step_; }
 
@@ -32,6 +36,8 @@ class Optimizer {
   nn::ParameterList params_;
   OptimizerConfig config_;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;
+  Tensor norm_;                                  // F64 [1] on the parameters' device
+  MultiTensorCache norm_cache_, adamw_cache_;    // device tables of the two multi-tensor ops
   int64_t step_ = 0;
 };
 

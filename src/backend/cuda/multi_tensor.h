@@ -1,0 +1,27 @@
+// CUDA multi-tensor optimizer kernels (backend/cuda/multi_tensor.cu): the global gradient
+// norm and the fused AdamW step over whole lists of tensors. Declarations only; usable
+// from C++. Empty tensors are skipped and may have any dtype.
+#pragma once
+
+#include <vector>
+
+#include "tessera/core/tensor.h"
+#include "tessera/ops/optimizer.h"
+
+namespace tessera::cuda {
+
+// grads all F32 or all BF16; norm_out F32 or F64.
+bool global_grad_norm_supported(const std::vector<Tensor>& grads, const Tensor& norm_out);
+void global_grad_norm(void* stream, const std::vector<Tensor>& grads, Tensor& norm_out, MultiTensorCache& cache);
+
+// params (and so the moments) F32; grads all F32 or all BF16; values BF16 or undefined;
+// grad_norm F32, F64 or undefined (max_norm == 0). Bit-identical to the CPU reference.
+bool adamw_step_multi_supported(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                                const Tensor& grad_norm);
+void adamw_step_multi(void* stream, std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                      std::vector<Tensor>& exp_avgs, std::vector<Tensor>& exp_avg_sqs,
+                      std::vector<Tensor>& bf16_values, const AdamWOptions& options,
+                      const std::vector<float>& weight_decays, const Tensor& grad_norm, double max_norm,
+                      MultiTensorCache& cache);
+
+}  // namespace tessera::cuda
