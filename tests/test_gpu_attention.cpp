@@ -11,16 +11,13 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/ops/attention.h"
-#include "testing.h"
+#include "gpu_testing.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/attention.h"
 #endif
 
 using namespace tessera;
 using namespace tessera::testing;
-
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
 
 namespace {
 

@@ -3,22 +3,13 @@
 #include "tessera/core/allocator.h"
 #include "tessera/core/random.h"
 #include "tessera/ops/elementwise.h"
-#include "testing.h"
+#include "gpu_testing.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
 #endif
 
 using namespace tessera;
 using namespace tessera::testing;
-
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
-
-static std::vector<uint8_t> bytes_of(const Tensor& t) {
-  Tensor host = t.to(Device::cpu()).contiguous();
-  const auto* p = static_cast<const uint8_t*>(host.raw_data());
-  return std::vector<uint8_t>(p, p + host.nbytes());
-}
 
 TEST(GpuCore, CopiesRoundTrip) {
   REQUIRE_GPU();

@@ -4,13 +4,10 @@
 #include "tessera/core/allocator.h"
 #include "tessera/ops/activation.h"
 #include "tessera/ops/elementwise.h"
-#include "testing.h"
+#include "gpu_testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
-
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
 
 namespace {
 Tensor poisoned_like(const Shape& shape, DType t, Device d) {

@@ -10,39 +10,12 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/ops/embedding.h"
-#include "testing.h"
+#include "gpu_testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
 
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
-
 namespace {
-
-const Device kCuda = Device::cuda();
-
-std::vector<uint8_t> bytes_of(const Tensor& t) {
-  Tensor host = t.to(Device::cpu()).contiguous();
-  const auto* p = static_cast<const uint8_t*>(host.raw_data());
-  return std::vector<uint8_t>(p, p + host.nbytes());
-}
-
-// A device copy of `host`, either a fresh (aligned) tensor or a view one element into a
-// larger buffer, so that its rows are not 16-byte aligned.
-Tensor to_device(const Tensor& host, bool misaligned) {
-  if (!misaligned) return host.to(kCuda);
-  Tensor buffer = Tensor::zeros({host.numel() + 1}, host.dtype(), kCuda);
-  Tensor view = buffer.slice(0, 1, host.numel() + 1).reshape(host.shape());
-  view.copy_from(host);
-  return view;
-}
-
-Tensor poisoned_device(const Shape& shape, DType t, bool misaligned = false) {
-  Tensor host = Tensor::empty(shape, t);
-  poison(host);
-  return to_device(host, misaligned);
-}
 
 // ids in [0, vocab): a mix of random ids and one id repeated `repeats` times.
 Tensor make_ids(const Shape& shape, DType t, int64_t vocab, uint64_t seed, int64_t repeats = 0) {

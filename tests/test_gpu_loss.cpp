@@ -9,31 +9,12 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/ops/loss.h"
-#include "testing.h"
+#include "gpu_testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
 
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
-
 namespace {
-
-const Device kCuda = Device::cuda();
-
-Tensor to_device(const Tensor& host, bool misaligned) {
-  if (!misaligned) return host.to(kCuda);
-  Tensor buffer = Tensor::zeros({host.numel() + 1}, host.dtype(), kCuda);
-  Tensor view = buffer.slice(0, 1, host.numel() + 1).reshape(host.shape());
-  view.copy_from(host);
-  return view;
-}
-
-Tensor poisoned_device(const Shape& shape, DType t) {
-  Tensor host = Tensor::empty(shape, t);
-  poison(host);
-  return host.to(kCuda);
-}
 
 // Targets in [0, vocab), every fourth row ignore_index.
 Tensor make_targets(int64_t rows, int64_t vocab, DType t, uint64_t seed, int64_t ignore_index = -100) {

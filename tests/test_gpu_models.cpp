@@ -8,15 +8,12 @@
 #include "tessera/core/allocator.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/train/optimizer.h"
-#include "testing.h"
+#include "gpu_testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
 using models::ModelConfig;
 using models::TransformerLM;
-
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
 
 namespace {
 

@@ -12,33 +12,12 @@
 #include "tessera/nn/parameter.h"
 #include "tessera/ops/optimizer.h"
 #include "tessera/train/optimizer.h"
-#include "testing.h"
+#include "gpu_testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
 
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
-
 namespace {
-
-const Device kCuda = Device::cuda();
-
-std::vector<uint8_t> bytes_of(const Tensor& t) {
-  Tensor host = t.to(Device::cpu()).contiguous();
-  const auto* p = static_cast<const uint8_t*>(host.raw_data());
-  return std::vector<uint8_t>(p, p + host.nbytes());
-}
-
-// A device copy; `misaligned` puts it one element into a buffer, off the 16-byte grid.
-Tensor to_device(const Tensor& host, bool misaligned) {
-  if (!host.defined()) return Tensor();
-  if (!misaligned) return host.to(kCuda);
-  Tensor buffer = Tensor::zeros({host.numel() + 1}, host.dtype(), kCuda);
-  Tensor view = buffer.slice(0, 1, host.numel() + 1).reshape(host.shape());
-  view.copy_from(host);
-  return view;
-}
 
 Tensor nan_tensor(const Shape& shape, DType dtype) {
   Tensor t = Tensor::empty(shape, dtype);

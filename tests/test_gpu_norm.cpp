@@ -10,17 +10,13 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/ops/norm.h"
-#include "testing.h"
+#include "gpu_testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
 
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
-
 namespace {
 
-const Device kCuda = Device::cuda();
 constexpr float kEps = 1e-5f;
 
 Tensor poisoned(const Shape& shape, DType t, Device d) {

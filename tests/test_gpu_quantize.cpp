@@ -10,14 +10,12 @@
 #include <functional>
 
 #include "backend/cuda/quantize.h"
+#include "gpu_testing.h"
 #include "quantize_testing.h"
 #include "tessera/core/allocator.h"
 
 using namespace tessera;
 using namespace tessera::testing;
-
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
 
 namespace {
 

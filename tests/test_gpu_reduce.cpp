@@ -8,33 +8,10 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/ops/gemm.h"
-#include "testing.h"
+#include "gpu_testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
-
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
-
-namespace {
-
-const Device kCuda = Device::cuda();
-
-std::vector<uint8_t> bytes_of(const Tensor& t) {
-  Tensor host = t.to(Device::cpu()).contiguous();
-  const auto* p = static_cast<const uint8_t*>(host.raw_data());
-  return std::vector<uint8_t>(p, p + host.nbytes());
-}
-
-Tensor to_device(const Tensor& host, bool misaligned) {
-  if (!misaligned) return host.to(kCuda);
-  Tensor buffer = Tensor::zeros({host.numel() + 1}, host.dtype(), kCuda);
-  Tensor view = buffer.slice(0, 1, host.numel() + 1).reshape(host.shape());
-  view.copy_from(host);
-  return view;
-}
-
-}  // namespace
 
 TEST(GpuBiasGrad, AccumulatesColumnSumsLikeTheCpu) {
   REQUIRE_GPU();

@@ -5,13 +5,10 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/ops/softmax.h"
-#include "testing.h"
+#include "gpu_testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
-
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
 
 TEST(GpuSoftmax, MatchesTheCpuReference) {
   REQUIRE_GPU();

@@ -10,23 +10,12 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/ops/elementwise.h"
-#include "testing.h"
+#include "gpu_testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
 
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present (or no CUDA backend in this build): skipping GPU test"
-
 namespace {
-
-const Device kCuda = Device::cuda();
-
-std::vector<uint8_t> bytes_of(const Tensor& t) {
-  Tensor host = t.to(Device::cpu()).contiguous();
-  const auto* p = static_cast<const uint8_t*>(host.raw_data());
-  return std::vector<uint8_t>(p, p + host.nbytes());
-}
 
 // A CPU tensor of random bytes (every bit pattern of the dtype is possible).
 Tensor random_bits(const Shape& shape, DType t, uint64_t seed) {
@@ -40,7 +29,7 @@ Tensor random_bits(const Shape& shape, DType t, uint64_t seed) {
   return out;
 }
 
-Tensor poisoned_device(const Shape& shape, DType t) {
+Tensor garbage_device(const Shape& shape, DType t) {
   Tensor host = random_bits(shape, t, 12345);  // garbage, whatever the dtype
   return host.to(kCuda);
 }
@@ -95,7 +84,7 @@ TEST(GpuTranspose, MatchesTheCpuBitForBit) {
       const Tensor in = random_bits({rows, cols}, t, seed++);
       Tensor want = Tensor::empty({cols, rows}, t);
       transpose_2d(cpu, in, want);
-      Tensor got = poisoned_device({cols, rows}, t);
+      Tensor got = garbage_device({cols, rows}, t);
       transpose_2d(gpu, in.to(kCuda), got);
       EXPECT_EQ(bytes_of(got), bytes_of(want)) << what;
     }
@@ -113,7 +102,7 @@ TEST(GpuCast, EveryDtypePairMatchesTheCpu) {
       const Tensor in = cast_input(from, to, n, seed++);
       Tensor want = Tensor::empty({n}, to);
       cast(cpu, in, want);
-      Tensor got = poisoned_device({n}, to);
+      Tensor got = garbage_device({n}, to);
       cast(gpu, in.to(kCuda), got);
       expect_same_elements(got, want, what);
     }
@@ -132,12 +121,12 @@ TEST(GpuCast, RoundingTiesSpecialValuesAndLargeIntegers) {
                                        NAN,         3.4e38f,     1.17549435e-38f,      1.4e-45f};
   const Tensor f32 = Tensor::from_floats(specials, {static_cast<int64_t>(specials.size())});
   for (DType to : {DType::BF16, DType::F16, DType::E4M3, DType::E5M2, DType::F64, DType::E8M0}) {
-    Tensor want = Tensor::empty(f32.shape(), to), got = poisoned_device(f32.shape(), to);
+    Tensor want = Tensor::empty(f32.shape(), to), got = garbage_device(f32.shape(), to);
     cast(cpu, f32, want);
     cast(gpu, f32.to(kCuda), got);
     expect_same_elements(got, want, std::string("specials f32 -> ") + dtype_name(to));
     // And back to F32 from those.
-    Tensor back = Tensor::empty(f32.shape(), DType::F32), back_got = poisoned_device(f32.shape(), DType::F32);
+    Tensor back = Tensor::empty(f32.shape(), DType::F32), back_got = garbage_device(f32.shape(), DType::F32);
     cast(cpu, want, back);
     cast(gpu, want.to(kCuda), back_got);
     expect_same_elements(back_got, back, std::string("specials ") + dtype_name(to) + " -> f32");
@@ -146,14 +135,14 @@ TEST(GpuCast, RoundingTiesSpecialValuesAndLargeIntegers) {
   const Tensor i64 = Tensor::from_ints({(int64_t{1} << 24) + 1, -((int64_t{1} << 31) - 1), (int64_t{1} << 53) + 1, 7},
                                        {4}, DType::I64);
   for (DType to : {DType::I64, DType::F64, DType::F32}) {
-    Tensor want = Tensor::empty({4}, to), got = poisoned_device({4}, to);
+    Tensor want = Tensor::empty({4}, to), got = garbage_device({4}, to);
     cast(cpu, i64, want);
     cast(gpu, i64.to(kCuda), got);
     expect_same_elements(got, want, std::string("i64 -> ") + dtype_name(to));
   }
   const Tensor i32 = Tensor::from_ints({(1 << 24) + 1, -(1 << 30) - 3, 2147483647, -7}, {4}, DType::I32);
   for (DType to : {DType::I32, DType::I64, DType::F64}) {
-    Tensor want = Tensor::empty({4}, to), got = poisoned_device({4}, to);
+    Tensor want = Tensor::empty({4}, to), got = garbage_device({4}, to);
     cast(cpu, i32, want);
     cast(gpu, i32.to(kCuda), got);
     expect_same_elements(got, want, std::string("i32 -> ") + dtype_name(to));
@@ -169,7 +158,7 @@ TEST(GpuCast, MisalignedF32AndBf16) {
     const Tensor in = random_bits({n}, from, 1300);
     Tensor want = Tensor::empty({n}, to);
     cast(cpu, in, want);
-    Tensor in_buffer = Tensor::empty({n + 1}, from, kCuda), out_buffer = poisoned_device({n + 3}, to);
+    Tensor in_buffer = Tensor::empty({n + 1}, from, kCuda), out_buffer = garbage_device({n + 3}, to);
     Tensor in_view = in_buffer.slice(0, 1, n + 1), out_view = out_buffer.slice(0, 3, n + 3);
     in_view.copy_from(in);
     cast(gpu, in_view, out_view);
