@@ -27,14 +27,17 @@ TransformerLayer::TransformerLayer(const std::string& name, const models::ModelC
           dtype, parallel) {}
 
 Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const {
-  const Tensor x1 = sum(ctx, x, attn.forward(ctx, norm1.forward(ctx, x, saved.norm1), batch, seq, saved.attn));
-  return sum(ctx, x1, mlp.forward(ctx, norm2.forward(ctx, x1, saved.norm2), saved.mlp));
+  const Tensor attn_out = attn.forward(ctx, norm1.forward(ctx, x, saved.norm1), batch, seq, saved.attn);
+  // x1 = x + attn_out comes out of norm2's fused add, kept in saved.norm2.x.
+  const Tensor mlp_in = norm2.forward_add(ctx, x, attn_out, saved.norm2);
+  return sum(ctx, saved.norm2.x, mlp.forward(ctx, mlp_in, saved.mlp));
 }
 
 Tensor TransformerLayer::backward_input(Context& ctx, const Tensor& dy, Saved& saved) {
-  // The residual passes dy straight through; each branch adds its own input gradient.
-  saved.d_x1 = sum(ctx, dy, norm2.backward_input(ctx, mlp.backward_input(ctx, dy, saved.mlp), saved.norm2));
-  return sum(ctx, saved.d_x1, norm1.backward_input(ctx, attn.backward_input(ctx, saved.d_x1, saved.attn), saved.norm1));
+  // The residual passes dy straight through; each norm adds it to its own input gradient in
+  // the same pass (the unfused form: d_x1 = dy + norm2'(...), d_x = d_x1 + norm1'(...)).
+  saved.d_x1 = norm2.backward_input_add(ctx, mlp.backward_input(ctx, dy, saved.mlp), dy, saved.norm2);
+  return norm1.backward_input_add(ctx, attn.backward_input(ctx, saved.d_x1, saved.attn), saved.d_x1, saved.norm1);
 }
 
 void TransformerLayer::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {

@@ -1,4 +1,7 @@
-// TransformerLayer: pre-norm block, x + attn(norm1(x)), then + mlp(norm2(.)).
+// TransformerLayer: pre-norm block, x1 = x + attn(norm1(x)), then x1 + mlp(norm2(x1)).
+// The residual add x + attn(...) runs inside norm2 (add_layernorm/add_rmsnorm), and in
+// backward each norm adds the residual path's gradient to its input gradient in the same
+// pass; the math, and on the CPU every bit, is that of the unfused block.
 #pragma once
 
 #include "tessera/models/config.h"
@@ -11,7 +14,7 @@ namespace tessera::nn {
 class TransformerLayer {
  public:
   struct Saved {
-    Norm::Saved norm1, norm2;
+    Norm::Saved norm1, norm2;  // norm2.x is x1, the residual stream between attention and MLP
     SelfAttention::Saved attn;
     MLP::Saved mlp;
     Tensor d_x1;  // gradient at the residual between attention and MLP

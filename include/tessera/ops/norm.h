@@ -42,4 +42,33 @@ void rmsnorm_forward(Context& ctx, const Tensor& x, const Tensor& gamma, float e
 void rmsnorm_backward(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
                       Tensor& dx, Tensor& dgamma);
 
+// ---- Residual add fused into the norm (pre-norm Transformer: h = x + branch; y = norm(h)) ----
+//
+// Each equals the plain ops composed, bit for bit on the CPU, with one pass over memory on
+// the GPU. Tensors other than the parameters and statistics are x's shape.
+
+// sum_out = x + residual, rounded to sum_out's dtype (which must be x's) exactly as add()
+// rounds; then layernorm_forward(sum_out, ...) on that ROUNDED sum, writing y, mean, rstd.
+// The sum is the residual stream that continues past the norm, and the x to pass to
+// layernorm_backward(_add). sum_out may be x or residual itself (an in-place residual
+// stream); so may y, as long as it is not sum_out. Other overlaps are an error.
+void add_layernorm_forward(Context& ctx, const Tensor& x, const Tensor& residual, const Tensor& gamma,
+                           const Tensor& beta, float eps, Tensor& sum_out, Tensor& y, Tensor& mean, Tensor& rstd);
+
+// sum_out = x + residual (as above); then rmsnorm_forward(sum_out, ...).
+void add_rmsnorm_forward(Context& ctx, const Tensor& x, const Tensor& residual, const Tensor& gamma, float eps,
+                         Tensor& sum_out, Tensor& y, Tensor& rstd);
+
+// dx = layernorm_backward's dx (rounded to dx's dtype) + d_residual_in, rounded as add()
+// rounds: the gradient through the norm plus the one arriving along the residual path, in
+// one pass. x is the forward's sum. dgamma/dbeta accumulate as in layernorm_backward. dx may
+// be d_residual_in, dy or x itself (other overlaps are an error).
+void layernorm_backward_add(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                            const Tensor& rstd, const Tensor& d_residual_in, Tensor& dx, Tensor& dgamma,
+                            Tensor& dbeta);
+
+// dx = rmsnorm_backward's dx + d_residual_in (as above); dgamma accumulates.
+void rmsnorm_backward_add(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                          const Tensor& d_residual_in, Tensor& dx, Tensor& dgamma);
+
 }  // namespace tessera

@@ -5,12 +5,16 @@
 // hold one value per row in the compute type. Row statistics and the column sums of the
 // parameter gradients accumulate in double; per-element math runs in the compute type
 // (double for F64 inputs, float otherwise).
+//
+// The fused residual-add ops are, on the CPU, literally add() and the plain op composed: the
+// definition the GPU's single-pass kernels are held to, rounding included.
 #include "norm.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "elementwise.h"
 #include "float_buffer.h"
 
 namespace tessera::cpu {
@@ -185,6 +189,35 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, co
     grad_in.commit();
     dgamma_out.commit();
   });
+}
+
+void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor& gamma, const Tensor& beta, double eps,
+                           Tensor& sum_out, Tensor& y, Tensor& mean, Tensor& rstd) {
+  add(x, residual, sum_out);
+  layernorm_forward(sum_out, gamma, beta, eps, y, mean, rstd);
+}
+
+void add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& gamma, double eps, Tensor& sum_out,
+                         Tensor& y, Tensor& rstd) {
+  add(x, residual, sum_out);
+  rmsnorm_forward(sum_out, gamma, eps, y, rstd);
+}
+
+// The norm's dx goes to a temporary of dx's dtype first, so it is rounded to that dtype
+// before the add, as the unfused ops round it; dx may then be any of the inputs.
+void layernorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                            const Tensor& rstd, const Tensor& d_residual_in, Tensor& dx, Tensor& dgamma,
+                            Tensor& dbeta) {
+  Tensor through_norm = Tensor::empty(dx.shape(), dx.dtype());
+  layernorm_backward(dy, x, gamma, mean, rstd, through_norm, dgamma, dbeta);
+  add(through_norm, d_residual_in, dx);
+}
+
+void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                          const Tensor& d_residual_in, Tensor& dx, Tensor& dgamma) {
+  Tensor through_norm = Tensor::empty(dx.shape(), dx.dtype());
+  rmsnorm_backward(dy, x, gamma, rstd, through_norm, dgamma);
+  add(through_norm, d_residual_in, dx);
 }
 
 }  // namespace tessera::cpu

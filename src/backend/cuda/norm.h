@@ -1,6 +1,7 @@
-// LayerNorm and RMSNorm kernels on the GPU (backend/cuda/norm.cu). The op front end
-// (src/ops/norm.cpp) has already checked shapes, contiguity and devices; these functions
-// only launch. Same formulas, gradient rule and statistics dtype as the CPU reference.
+// LayerNorm and RMSNorm kernels on the GPU (backend/cuda/norm.cu), and the same with the
+// residual add fused in (backend/cuda/add_norm.cu). The op front end (src/ops/norm.cpp) has
+// already checked shapes, contiguity and devices; these functions only launch. Same
+// formulas, gradient rule and statistics dtype as the CPU reference.
 #pragma once
 
 #include <initializer_list>
@@ -22,5 +23,16 @@ void layernorm_backward(void* stream, const Tensor& dy, const Tensor& x, const T
 void rmsnorm_forward(void* stream, const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd);
 void rmsnorm_backward(void* stream, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
                       Tensor& dx, Tensor& dgamma);
+
+// Fused residual add (add_norm.cu); norm_supported applies with x, residual, sum, y (or x, dy,
+// d_residual, dx) as the activations.
+void add_layernorm_forward(void* stream, const Tensor& x, const Tensor& residual, const Tensor& gamma,
+                           const Tensor& beta, float eps, Tensor& sum, Tensor& y, Tensor& mean, Tensor& rstd);
+void add_rmsnorm_forward(void* stream, const Tensor& x, const Tensor& residual, const Tensor& gamma, float eps,
+                         Tensor& sum, Tensor& y, Tensor& rstd);
+void layernorm_backward_add(void* stream, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                            const Tensor& rstd, const Tensor& d_residual, Tensor& dx, Tensor& dgamma, Tensor& dbeta);
+void rmsnorm_backward_add(void* stream, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                          const Tensor& d_residual, Tensor& dx, Tensor& dgamma);
 
 }  // namespace tessera::cuda

@@ -1,0 +1,487 @@
+// The LayerNorm/RMSNorm kernels, shared by norm.cu (the plain ops) and add_norm.cu (the same
+// ops with a residual add fused in) through norm_launch.cuh. Every kernel is a template on
+// kLayer (LayerNorm or RMSNorm) and kAdd (the fused variant); kAdd = false is exactly the
+// plain kernel. Included by those two .cu files only: everything sits in an anonymous
+// namespace, so each file instantiates just the variants it launches.
+//
+// Layout: x, y, dy, dx (and the residual, its sum, the residual gradient) contiguous
+// [rows, C] of one dtype (F32 or BF16); gamma, beta, dgamma, dbeta [C], each F32 or BF16 on
+// its own (read through a runtime flag, not a template, so mixed master-weight/activation
+// dtypes cost no extra instantiations); mean, rstd F32.
+//
+// Kernels: a row is handled by a group of threads (1 to 512, a power of two) and, when it
+// fits, kept in registers, so x (and dy) are read from memory once; 16-byte loads when C and
+// every pointer allow it, scalar otherwise. Rows too wide for registers take a looping path
+// that re-reads them (mostly from L2). Per-row sums are taken in double, as the reference
+// does: a degenerate row (C = 1, where RMSNorm's dx = rstd*g*(1 - xhat^2) cancels) then
+// gets the reference's rstd bit for bit, and the per-element float math is written with
+// explicit round-to-nearest intrinsics so that nvcc does not contract it into FMAs the
+// reference does not use. (Double FMAs appear only where the product is of two floats: it is
+// exact in double, so the fused form rounds exactly as the reference's multiply-then-add.)
+// The cost is a few FP64 operations and float-to-double conversions per element, under the
+// memory time on an H200.
+//
+// Fused residual add (kAdd): forward forms sum = x + residual in float, rounds it to the
+// storage dtype exactly as the add kernel does, stores it and normalizes the ROUNDED value,
+// so the result equals add() followed by the plain norm. Backward rounds the norm's dx to
+// the storage dtype (as the plain op's store would), then adds the residual gradient in
+// float and rounds again: again exactly the plain op followed by add(). Each thread reads
+// every element it writes before writing it, and no thread reads an element another thread
+// writes, so the sum may be x or the residual, and dx may be dy or the residual gradient.
+//
+// dgamma/dbeta: a fixed set of "workers" (row groups, one wave of the GPU) each sums its
+// contiguous chunk of rows into a float partial row of a scratch buffer; a second kernel adds
+// the partials in worker order in double and accumulates into dgamma/dbeta. No atomics, so
+// results are identical from run to run (the worker count depends on the GPU model).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "tessera/core/numeric.h"
+
+namespace tessera::cuda {
+
+namespace {
+
+constexpr int kMaxGroupThreads = 512;  // threads per row group in the register kernels
+constexpr int kWideThreads = 1024;     // threads per row in the looping kernels
+// Vectors per thread the register kernels hold at most. Backward keeps four arrays per vector
+// (xhat, g, the dgamma and dbeta partials), so it stops earlier to stay clear of spills.
+constexpr int kMaxForwardVectors = 8, kMaxBackwardVectors = 2;
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// ---- Loads and stores of N consecutive elements, converted to and from float ---------------
+
+// kBytes (4, 8 or a multiple of 16) as 32-bit words; p aligned to min(16, kBytes).
+template <int kBytes>
+__device__ __forceinline__ void load_words(const void* p, uint32_t* w) {
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < kBytes / 16; ++k) {
+      const uint4 q = static_cast<const uint4*>(p)[k];
+      w[4 * k] = q.x, w[4 * k + 1] = q.y, w[4 * k + 2] = q.z, w[4 * k + 3] = q.w;
+    }
+  } else if constexpr (kBytes == 8) {
+    const uint2 q = *static_cast<const uint2*>(p);
+    w[0] = q.x, w[1] = q.y;
+  } else {
+    static_assert(kBytes == 4, "unsupported vector width");
+    w[0] = *static_cast<const uint32_t*>(p);
+  }
+}
+
+template <int kBytes>
+__device__ __forceinline__ void store_words(void* p, const uint32_t* w) {
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < kBytes / 16; ++k)
+      static_cast<uint4*>(p)[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+  } else if constexpr (kBytes == 8) {
+    *static_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  } else {
+    static_assert(kBytes == 4, "unsupported vector width");
+    *static_cast<uint32_t*>(p) = w[0];
+  }
+}
+
+// T is float or uint16_t (BF16 bits).
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* p, float* v) {
+  if constexpr (std::is_same_v<T, float>) {
+    uint32_t w[N];
+    load_words<4 * N>(p, w);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = __uint_as_float(w[k]);
+  } else if constexpr (N == 1) {
+    v[0] = bf16_bits_to_float(*p);
+  } else {
+    uint32_t w[N / 2];
+    load_words<2 * N>(p, w);
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {  // little endian: element 2k is the low half
+      v[2 * k] = __uint_as_float(w[k] << 16);
+      v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const float* v) {
+  if constexpr (std::is_same_v<T, float>) {
+    uint32_t w[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) w[k] = __float_as_uint(v[k]);
+    store_words<4 * N>(p, w);
+  } else if constexpr (N == 1) {
+    *p = float_to_bf16_bits(v[0]);
+  } else {
+    uint32_t w[N / 2];
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k)
+      w[k] = uint32_t(float_to_bf16_bits(v[2 * k])) | (uint32_t(float_to_bf16_bits(v[2 * k + 1])) << 16);
+    store_words<2 * N>(p, w);
+  }
+}
+
+// A [C] parameter (or its gradient) whose dtype is F32 or BF16, chosen at run time.
+struct Param {
+  void* ptr;  // null: undefined tensor
+  bool bf16;
+};
+
+template <int N>
+__device__ __forceinline__ void load_param(const Param& p, int64_t i, float* v) {
+  if (p.bf16) load_vec<uint16_t, N>(static_cast<const uint16_t*>(p.ptr) + i, v);
+  else load_vec<float, N>(static_cast<const float*>(p.ptr) + i, v);
+}
+
+// v rounded to the storage type T and back: what a store to T followed by a load gives.
+template <typename T>
+__device__ __forceinline__ float round_to_storage(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return bf16_bits_to_float(float_to_bf16_bits(v));
+}
+
+// ---- Row-group reduction -------------------------------------------------------------------
+
+// Sums v over the blockDim.x threads of a row group; every thread of the group receives the
+// same bits. Groups of up to a warp use an xor butterfly (commutative, so all lanes agree);
+// a group of several warps is the whole block (blockDim.y == 1) and adds the warp sums in
+// warp order. `shared` must not be reused until after the next call's __syncthreads.
+template <int K>
+__device__ __forceinline__ void group_sum(double (&v)[K], double (*shared)[32]) {
+  const int width = blockDim.x < 32 ? blockDim.x : 32;
+  for (int offset = width / 2; offset > 0; offset /= 2)
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], offset);
+  if (blockDim.x <= 32) return;
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int k = 0; k < K; ++k) shared[k][threadIdx.x >> 5] = v[k];
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    double s = 0;
+    for (int w = 0; w < int(blockDim.x >> 5); ++w) s += shared[k][w];
+    v[k] = s;
+  }
+}
+
+// ---- Register kernels: NV vectors of VEC elements per thread -------------------------------
+//
+// Thread t of a group owns vectors t, t + G, t + 2G, ... (G = blockDim.x), so a warp's loads
+// are contiguous. Rows are [rows, cols]; a group whose row is past the end still joins the
+// shuffles (they need the whole warp) but loads and stores nothing.
+
+// kAdd: the row normalized is sum = x + residual, rounded to T and stored (residual and sum
+// are null otherwise).
+template <typename T, int VEC, int NV, bool kLayer, bool kAdd>
+__global__ void __launch_bounds__(kMaxGroupThreads)
+    norm_forward_kernel(const T* x, const T* residual, T* sum, Param gamma, Param beta, T* y, float* mean, float* rstd,
+                        int64_t rows, int64_t cols, double eps) {
+  __shared__ double red[2][1][32];
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool live = row < rows;
+  const int64_t base = (live ? row : 0) * cols;
+  float v[NV][VEC];
+  double acc[1] = {0};
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+    if (live && c < cols) {
+      load_vec<T, VEC>(x + base + c, v[j]);
+      if constexpr (kAdd) {
+        float r[VEC];
+        load_vec<T, VEC>(residual + base + c, r);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[j][k] = round_to_storage<T>(__fadd_rn(v[j][k], r[k]));
+        store_vec<T, VEC>(sum + base + c, v[j]);  // after this thread's reads of the same elements
+      }
+#pragma unroll
+      for (int k = 0; k < VEC; ++k)
+        acc[0] = kLayer ? __dadd_rn(acc[0], double(v[j][k])) : fma(double(v[j][k]), double(v[j][k]), acc[0]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[j][k] = 0.0f;
+    }
+  }
+  group_sum(acc, red[0]);
+  double mu = 0, inv_std;
+  if constexpr (kLayer) {
+    mu = acc[0] / double(cols);
+    double squares[1] = {0};  // second pass over the registers: no cancellation
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+      if (live && c < cols)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const double d = __dsub_rn(double(v[j][k]), mu);
+          squares[0] = __dadd_rn(squares[0], __dmul_rn(d, d));
+        }
+    }
+    group_sum(squares, red[1]);
+    inv_std = 1.0 / sqrt(squares[0] / double(cols) + eps);
+  } else {
+    inv_std = 1.0 / sqrt(acc[0] / double(cols) + eps);
+  }
+  // y is computed from the rounded statistics, as the reference does.
+  const float mu_t = float(mu), rstd_t = float(inv_std);
+  if (!live) return;
+  if (threadIdx.x == 0) {
+    if (kLayer) mean[row] = mu_t;
+    rstd[row] = rstd_t;
+  }
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+    if (c >= cols) continue;
+    float g[VEC], b[VEC], out[VEC];
+    load_param<VEC>(gamma, c, g);
+    if (kLayer && beta.ptr) load_param<VEC>(beta, c, b);
+    else
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k)
+      out[k] = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[j][k], mu_t), rstd_t), g[k]), b[k])
+                      : __fmul_rn(__fmul_rn(v[j][k], rstd_t), g[k]);
+    store_vec<T, VEC>(y + base + c, out);
+  }
+}
+
+// Worker w = blockIdx.x * blockDim.y + threadIdx.y takes rows [rows*w/W, rows*(w+1)/W); all
+// workers step the same number of times so that narrow groups sharing a warp stay in step.
+// dx is written after every read of its row, so dx may be the same memory as dy or x.
+// kAdd: dx = (the norm's dx rounded to T) + d_residual (null otherwise), read just before the
+// store by the same thread, so dx may also be d_residual.
+template <typename T, int VEC, int NV, bool kLayer, bool kAdd>
+__global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
+    norm_backward_kernel(const T* dy, const T* x, Param gamma, const float* mean, const float* rstd,
+                         const T* d_residual, T* dx, float* dgamma_part, float* dbeta_part, int64_t rows, int64_t cols,
+                         int64_t workers) {
+  __shared__ double red[2][2][32];
+  const int64_t worker = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool live_worker = worker < workers;
+  const int64_t first = live_worker ? rows * worker / workers : 0;
+  const int64_t last = live_worker ? rows * (worker + 1) / workers : 0;
+  const int64_t steps = (rows + workers - 1) / workers;
+  const double inv_cols = 1.0 / double(cols);
+
+  // gamma is re-read for every row (an L1 hit) rather than held: the registers it would take
+  // decide whether two 512-thread blocks fit on a multiprocessor.
+  float acc_g[NV][VEC], acc_b[NV][VEC];
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc_g[j][k] = acc_b[j][k] = 0.0f;
+
+#pragma unroll 1
+  for (int64_t step = 0; step < steps; ++step) {
+    const int64_t row = first + step;
+    const bool live = row < last;
+    const int64_t base = (live ? row : 0) * cols;
+    const float mu = kLayer && live ? mean[row] : 0.0f, r = live ? rstd[row] : 0.0f;
+    float xhat[NV][VEC], gd[NV][VEC];  // xhat and g = dy * gamma per element
+    double sums[2] = {0, 0};           // sum(g), sum(g * xhat)
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+      if (live && c < cols) {
+        float d[VEC], g[VEC];
+        load_vec<T, VEC>(x + base + c, xhat[j]);
+        load_vec<T, VEC>(dy + base + c, d);
+        load_param<VEC>(gamma, c, g);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float xh = kLayer ? __fmul_rn(__fsub_rn(xhat[j][k], mu), r) : __fmul_rn(xhat[j][k], r);
+          const float gk = __fmul_rn(d[k], g[k]);
+          if (kLayer) sums[0] = __dadd_rn(sums[0], double(gk));
+          sums[1] = fma(double(gk), double(xh), sums[1]);
+          acc_g[j][k] = fmaf(d[k], xh, acc_g[j][k]);
+          acc_b[j][k] += d[k];
+          xhat[j][k] = xh;
+          gd[j][k] = gk;
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) xhat[j][k] = gd[j][k] = 0.0f;
+      }
+    }
+    group_sum(sums, red[step & 1]);
+    const float mean_g = float(sums[0] * inv_cols), mean_g_xhat = float(sums[1] * inv_cols);
+    if (!live) continue;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+      if (c >= cols) continue;
+      float out[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float t = __fmul_rn(xhat[j][k], mean_g_xhat);
+        out[k] =
+            kLayer ? __fmul_rn(r, __fsub_rn(__fsub_rn(gd[j][k], mean_g), t)) : __fmul_rn(r, __fsub_rn(gd[j][k], t));
+      }
+      if constexpr (kAdd) {
+        float dr[VEC];
+        load_vec<T, VEC>(d_residual + base + c, dr);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) out[k] = __fadd_rn(round_to_storage<T>(out[k]), dr[k]);
+      }
+      store_vec<T, VEC>(dx + base + c, out);
+    }
+  }
+
+  if (!live_worker) return;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+    if (c >= cols) continue;
+    store_vec<float, VEC>(dgamma_part + worker * cols + c, acc_g[j]);
+    if (kLayer && dbeta_part) store_vec<float, VEC>(dbeta_part + worker * cols + c, acc_b[j]);
+  }
+}
+
+// ---- Looping kernels for rows too wide for registers: one 1024-thread block per row --------
+
+template <typename T>
+__device__ __forceinline__ float load1(const T* p, int64_t i) {
+  float v;
+  load_vec<T, 1>(p + i, &v);
+  return v;
+}
+
+__device__ __forceinline__ float load_param1(const Param& p, int64_t i) {
+  return p.bf16 ? bf16_bits_to_float(static_cast<const uint16_t*>(p.ptr)[i]) : static_cast<const float*>(p.ptr)[i];
+}
+
+// kAdd: the first pass forms and stores sum = x + residual; the later passes re-read the row
+// from sum, each thread only the elements it wrote itself.
+template <typename T, bool kLayer, bool kAdd>
+__global__ void __launch_bounds__(kWideThreads)
+    norm_forward_wide_kernel(const T* x, const T* residual, T* sum, Param gamma, Param beta, T* y, float* mean,
+                             float* rstd, int64_t cols, double eps) {
+  __shared__ double red[2][1][32];
+  const int64_t base = int64_t(blockIdx.x) * cols;
+  double acc[1] = {0};
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    float v = load1(x, base + c);
+    if constexpr (kAdd) {
+      v = round_to_storage<T>(__fadd_rn(v, load1(residual, base + c)));
+      store_vec<T, 1>(sum + base + c, &v);
+    }
+    acc[0] = kLayer ? __dadd_rn(acc[0], double(v)) : fma(double(v), double(v), acc[0]);
+  }
+  group_sum(acc, red[0]);
+  if constexpr (kAdd) x = sum;
+  double mu = 0, inv_std;
+  if constexpr (kLayer) {
+    mu = acc[0] / double(cols);
+    double squares[1] = {0};
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      const double d = __dsub_rn(double(load1(x, base + c)), mu);
+      squares[0] = __dadd_rn(squares[0], __dmul_rn(d, d));
+    }
+    group_sum(squares, red[1]);
+    inv_std = 1.0 / sqrt(squares[0] / double(cols) + eps);
+  } else {
+    inv_std = 1.0 / sqrt(acc[0] / double(cols) + eps);
+  }
+  const float mu_t = float(mu), rstd_t = float(inv_std);
+  if (threadIdx.x == 0) {
+    if (kLayer) mean[blockIdx.x] = mu_t;
+    rstd[blockIdx.x] = rstd_t;
+  }
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = load1(x, base + c), g = load_param1(gamma, c);
+    float out[1];
+    if (kLayer)
+      out[0] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v, mu_t), rstd_t), g), beta.ptr ? load_param1(beta, c) : 0.0f);
+    else out[0] = __fmul_rn(__fmul_rn(v, rstd_t), g);
+    store_vec<T, 1>(y + base + c, out);
+  }
+}
+
+template <typename T, bool kLayer>
+__device__ __forceinline__ float xhat_of(const T* x, int64_t i, float mu, float r) {
+  const float v = load1(x, i);
+  return kLayer ? __fmul_rn(__fsub_rn(v, mu), r) : __fmul_rn(v, r);
+}
+
+// dx only; the parameter gradients come from norm_column_partials_kernel, launched first
+// because dx may overwrite dy.
+template <typename T, bool kLayer, bool kAdd>
+__global__ void __launch_bounds__(kWideThreads)
+    norm_backward_dx_wide_kernel(const T* dy, const T* x, Param gamma, const float* mean, const float* rstd,
+                                 const T* d_residual, T* dx, int64_t cols) {
+  __shared__ double red[1][2][32];
+  const int64_t base = int64_t(blockIdx.x) * cols;
+  const float mu = kLayer ? mean[blockIdx.x] : 0.0f, r = rstd[blockIdx.x];
+  double sums[2] = {0, 0};
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float xh = xhat_of<T, kLayer>(x, base + c, mu, r);
+    const float gk = __fmul_rn(load1(dy, base + c), load_param1(gamma, c));
+    if (kLayer) sums[0] = __dadd_rn(sums[0], double(gk));
+    sums[1] = fma(double(gk), double(xh), sums[1]);
+  }
+  group_sum(sums, red[0]);
+  const double inv_cols = 1.0 / double(cols);
+  const float mean_g = float(sums[0] * inv_cols), mean_g_xhat = float(sums[1] * inv_cols);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float xh = xhat_of<T, kLayer>(x, base + c, mu, r);
+    const float gk = __fmul_rn(load1(dy, base + c), load_param1(gamma, c));
+    const float t = __fmul_rn(xh, mean_g_xhat);
+    float out[1] = {kLayer ? __fmul_rn(r, __fsub_rn(__fsub_rn(gk, mean_g), t)) : __fmul_rn(r, __fsub_rn(gk, t))};
+    if constexpr (kAdd) out[0] = __fadd_rn(round_to_storage<T>(out[0]), load1(d_residual, base + c));
+    store_vec<T, 1>(dx + base + c, out);
+  }
+}
+
+// Thread = column, blockIdx.y = worker over rows [rows*w/W, rows*(w+1)/W): coalesced reads
+// of each row, one float partial per (worker, column).
+template <typename T, bool kLayer>
+__global__ void norm_column_partials_kernel(const T* dy, const T* x, const float* mean, const float* rstd,
+                                            float* dgamma_part, float* dbeta_part, int64_t rows, int64_t cols) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const int64_t worker = blockIdx.y, workers = gridDim.y;
+  float acc_g = 0.0f, acc_b = 0.0f;
+  for (int64_t row = rows * worker / workers; row < rows * (worker + 1) / workers; ++row) {
+    const float d = load1(dy, row * cols + c);
+    acc_g = fmaf(d, xhat_of<T, kLayer>(x, row * cols + c, kLayer ? mean[row] : 0.0f, rstd[row]), acc_g);
+    acc_b += d;
+  }
+  dgamma_part[worker * cols + c] = acc_g;
+  if (dbeta_part) dbeta_part[worker * cols + c] = acc_b;
+}
+
+// out[c] += sum over workers of part[w][c]: 8 lanes per column each add a strided subset in
+// order, then one lane adds the 8 in order (fixed order: deterministic). Like the reference,
+// the sum is in double, added to the old value in double and rounded once to float.
+constexpr int kFinalizeLanes = 8;
+__global__ void column_finalize_kernel(const float* part, int64_t workers, int64_t cols, Param out) {
+  __shared__ double tile[kFinalizeLanes][33];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  double s = 0;
+  if (c < cols)
+    for (int64_t w = threadIdx.y; w < workers; w += kFinalizeLanes) s += double(part[w * cols + c]);
+  tile[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  double total = 0;
+#pragma unroll
+  for (int k = 0; k < kFinalizeLanes; ++k) total += tile[k][threadIdx.x];
+  const float old = load_param1(out, c);
+  const float v = float(double(old) + total);
+  if (out.bf16) static_cast<uint16_t*>(out.ptr)[c] = float_to_bf16_bits(v);
+  else static_cast<float*>(out.ptr)[c] = v;
+}
+
+}  // namespace
+
+}  // namespace tessera::cuda

@@ -1,0 +1,203 @@
+// Host side of the LayerNorm/RMSNorm kernels (norm_kernels.cuh): launch shapes, the vector
+// width and alignment checks, the scratch partials of the parameter gradients, and one
+// launcher each for forward and backward, templated like the kernels on kLayer and kAdd.
+// Included by norm.cu and add_norm.cu only (anonymous namespace, as the kernels).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+
+#include "cuda_check.h"
+#include "norm_kernels.cuh"
+#include "tessera/core/tensor.h"
+
+namespace tessera::cuda {
+
+namespace {
+
+// ---- Host side -----------------------------------------------------------------------------
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+Param param_of(const Tensor& t) {
+  return {t.defined() ? t.raw_data() : nullptr, t.defined() && t.dtype() == DType::BF16};
+}
+
+// A parameter read in vectors of `vec` elements must be aligned to one vector (16 bytes at most).
+bool param_aligned(const Tensor& t, int vec) {
+  if (!t.defined()) return true;
+  const size_t bytes = static_cast<size_t>(vec) * dtype_size(t.dtype());
+  return aligned(t.raw_data(), bytes < 16 ? bytes : 16);
+}
+
+// Multiprocessors of `device` and resident blocks of `kernel` per multiprocessor, cached.
+int device_query(const void* kernel, int threads, int device) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(kernel, threads, device);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int value = 0;
+  if (kernel) TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&value, kernel, threads, 0));
+  else TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
+  value = value > 0 ? value : 1;
+  cache.emplace(key, value);
+  return value;
+}
+
+// Threads per row (tpr, a power of two up to kMaxGroupThreads), rows per block and vectors
+// per thread (nv, a power of two; 0 when the row needs more than max_nv). The group is sized
+// so each thread holds about target_nv vectors.
+struct RowConfig {
+  int tpr, rpb, nv;
+};
+RowConfig row_config(int64_t vectors, int target_nv, int max_nv) {
+  int tpr = 1;
+  while (tpr < ceil_div(vectors, target_nv) && tpr < kMaxGroupThreads) tpr *= 2;
+  int nv = 1;
+  while (nv < ceil_div(vectors, tpr)) nv *= 2;
+  return {tpr, tpr >= 64 ? 1 : 128 / tpr, nv <= max_nv ? nv : 0};
+}
+
+// fn(Int<nv>) for nv in {1, 2, 4, 8} up to kMax (only those get instantiated).
+template <int kMax, typename Fn>
+void dispatch_nv(int nv, Fn&& fn) {
+  if (nv == 1) fn(Int<1>{});
+  else if (nv == 2) fn(Int<2>{});
+  else if constexpr (kMax >= 4) {
+    if (nv == 4) fn(Int<4>{});
+    else if constexpr (kMax >= 8) fn(Int<8>{});
+  }
+}
+
+// fn(tag) with a typed null pointer for x's storage type.
+template <typename Fn>
+void dispatch_storage(DType t, Fn&& fn) {
+  if (t == DType::F32) fn(static_cast<float*>(nullptr));
+  else fn(static_cast<uint16_t*>(nullptr));
+}
+
+// kAdd: residual and sum are the fused add's operand and output (null otherwise); the
+// front end has checked that they are x's shape and dtype.
+template <bool kLayer, bool kAdd>
+void norm_forward(void* stream, const Tensor& x, const Tensor* residual, Tensor* sum, const Tensor& gamma,
+                  const Tensor& beta, double eps, Tensor& y, Tensor* mean, Tensor& rstd) {
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  if (rows == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  const Param g = param_of(gamma), b = param_of(beta);
+  float* mean_ptr = mean ? mean->data<float>() : nullptr;
+  dispatch_storage(x.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int kVec = 16 / sizeof(T);
+    const T* residual_ptr = kAdd ? residual->data<T>() : nullptr;
+    T* sum_ptr = kAdd ? sum->data<T>() : nullptr;
+    const bool vectorized = cols % kVec == 0 && aligned(x.raw_data(), 16) && aligned(y.raw_data(), 16) &&
+                            param_aligned(gamma, kVec) && param_aligned(beta, kVec) &&
+                            (!kAdd || (aligned(residual_ptr, 16) && aligned(sum_ptr, 16)));
+    const RowConfig cfg = row_config(ceil_div(cols, vectorized ? kVec : 1), 4, kMaxForwardVectors);
+    if (cfg.nv == 0) {
+      TESSERA_CHECK(rows <= 0x7fffffff, "norm forward on CUDA: ", rows, " rows exceed one grid");
+      norm_forward_wide_kernel<T, kLayer, kAdd><<<unsigned(rows), kWideThreads, 0, s>>>(
+          x.data<T>(), residual_ptr, sum_ptr, g, b, y.data<T>(), mean_ptr, rstd.data<float>(), cols, eps);
+      return;
+    }
+    const int64_t blocks = ceil_div(rows, cfg.rpb);
+    TESSERA_CHECK(blocks <= 0x7fffffff, "norm forward on CUDA: ", rows, " rows exceed one grid");
+    auto launch = [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      dispatch_nv<kMaxForwardVectors>(cfg.nv, [&](auto nv_tag) {
+        constexpr int NV = decltype(nv_tag)::value;
+        norm_forward_kernel<T, VEC, NV, kLayer, kAdd><<<unsigned(blocks), dim3(cfg.tpr, cfg.rpb), 0, s>>>(
+            x.data<T>(), residual_ptr, sum_ptr, g, b, y.data<T>(), mean_ptr, rstd.data<float>(), rows, cols, eps);
+      });
+    };
+    if (vectorized) launch(Int<kVec>{});
+    else launch(Int<1>{});
+  });
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
+
+// kAdd: d_residual is added to dx (null otherwise).
+template <bool kLayer, bool kAdd>
+void norm_backward(void* stream, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor* mean,
+                   const Tensor& rstd, const Tensor* d_residual, Tensor& dx, Tensor& dgamma, Tensor* dbeta) {
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  if (rows == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  const int device = x.device().index;
+  const Param g = param_of(gamma);
+  const float* mean_ptr = mean ? mean->data<float>() : nullptr;
+  const bool has_dbeta = dbeta && dbeta->defined();
+  const int sms = device_query(nullptr, 0, device);
+  int64_t workers = 0;
+  Tensor partials;  // [workers, cols] for dgamma, then (if any) the same for dbeta
+  auto make_partials = [&] {
+    partials = Tensor::empty({(has_dbeta ? 2 : 1) * workers * cols}, DType::F32, x.device());
+  };
+  float* dbeta_part = nullptr;
+  dispatch_storage(x.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int kVec = 16 / sizeof(T);
+    const T* d_residual_ptr = kAdd ? d_residual->data<T>() : nullptr;
+    const bool vectorized = cols % kVec == 0 && aligned(x.raw_data(), 16) && aligned(dy.raw_data(), 16) &&
+                            aligned(dx.raw_data(), 16) && param_aligned(gamma, kVec) &&
+                            (!kAdd || aligned(d_residual_ptr, 16));
+    const RowConfig cfg = row_config(ceil_div(cols, vectorized ? kVec : 1), 1, kMaxBackwardVectors);
+    if (cfg.nv == 0) {
+      TESSERA_CHECK(rows <= 0x7fffffff, "norm backward on CUDA: ", rows, " rows exceed one grid");
+      const int64_t col_blocks = ceil_div(cols, 256);
+      workers = std::min<int64_t>({rows, std::max<int64_t>(1, 8 * sms / col_blocks), 65535});
+      make_partials();
+      dbeta_part = has_dbeta ? partials.data<float>() + workers * cols : nullptr;
+      norm_column_partials_kernel<T, kLayer><<<dim3(unsigned(col_blocks), unsigned(workers)), 256, 0, s>>>(
+          dy.data<T>(), x.data<T>(), mean_ptr, rstd.data<float>(), partials.data<float>(), dbeta_part, rows, cols);
+      TESSERA_CUDA_CHECK_LAUNCH();
+      norm_backward_dx_wide_kernel<T, kLayer, kAdd><<<unsigned(rows), kWideThreads, 0, s>>>(
+          dy.data<T>(), x.data<T>(), g, mean_ptr, rstd.data<float>(), d_residual_ptr, dx.data<T>(), cols);
+      return;
+    }
+    auto launch = [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      dispatch_nv<kMaxBackwardVectors>(cfg.nv, [&](auto nv_tag) {
+        constexpr int NV = decltype(nv_tag)::value;
+        auto kernel = norm_backward_kernel<T, VEC, NV, kLayer, kAdd>;
+        const int threads = cfg.tpr * cfg.rpb;
+        // One wave of workers: each resident row group is a worker.
+        const int64_t resident = int64_t(sms) * device_query(reinterpret_cast<const void*>(kernel), threads, device);
+        workers = std::min<int64_t>(rows, resident * cfg.rpb);
+        make_partials();
+        dbeta_part = has_dbeta ? partials.data<float>() + workers * cols : nullptr;
+        kernel<<<unsigned(ceil_div(workers, cfg.rpb)), dim3(cfg.tpr, cfg.rpb), 0, s>>>(
+            dy.data<T>(), x.data<T>(), g, mean_ptr, rstd.data<float>(), d_residual_ptr, dx.data<T>(),
+            partials.data<float>(), dbeta_part, rows, cols, workers);
+      });
+    };
+    if (vectorized) launch(Int<kVec>{});
+    else launch(Int<1>{});
+  });
+  TESSERA_CUDA_CHECK_LAUNCH();
+  // The partials go back to the caching allocator when this returns; reuse is ordered on the
+  // stream, as for every temporary of the CUDA backend.
+  const dim3 finalize_grid(unsigned(ceil_div(cols, 32)));
+  column_finalize_kernel<<<finalize_grid, dim3(32, kFinalizeLanes), 0, s>>>(partials.data<float>(), workers, cols,
+                                                                            param_of(dgamma));
+  TESSERA_CUDA_CHECK_LAUNCH();
+  if (has_dbeta) {
+    column_finalize_kernel<<<finalize_grid, dim3(32, kFinalizeLanes), 0, s>>>(dbeta_part, workers, cols,
+                                                                              param_of(*dbeta));
+    TESSERA_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace
+
+}  // namespace tessera::cuda
