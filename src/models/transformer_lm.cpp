@@ -119,8 +119,16 @@ Tensor TransformerLM::trunk_forward(Context& ctx, const Tensor& inputs, Saved& s
 
 // Mean cross-entropy of h W^T against targets, chunk by chunk. With d_h, also writes the
 // gradient w.r.t. h and accumulates the head weight's gradient, both times `scale`.
-double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& targets, const Tensor& device_targets,
-                                Tensor* d_h, float scale) {
+double TransformerLM::HeadLoss::read() const {
+  if (!chunk_losses.defined()) return 0.0;  // no valid target
+  const Tensor host = chunk_losses.to(Device::cpu());
+  double loss = 0;
+  for (size_t i = 0; i < weights.size(); ++i) loss += host.item(static_cast<int64_t>(i)) * weights[i];
+  return loss;
+}
+
+TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& targets,
+                                                 const Tensor& device_targets, Tensor* d_h, float scale) {
   const int64_t rows = h.size(0), vocab = config_.vocab_size;
   const Tensor flat_targets = device_targets.reshape({rows});
   // Counting the valid targets first lets every chunk scale its gradient by the global mean.
@@ -136,7 +144,7 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
   }
   if (valid == 0) {
     if (d_h) d_h->fill_zero();
-    return 0.0;
+    return {};
   }
   nn::Parameter& w = head_weight();
   // The head's GEMMs run over all rows of the padded weight when there is one (see to()).
@@ -177,10 +185,9 @@ double TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& tar
     gemm(ctx, logits_full, w_full, d_h_chunk);                                 // dh = dlogits W
     gemm(ctx, logits_full, h_chunk, grad_full, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
   }
-  const Tensor host_losses = chunk_losses.to(Device::cpu());
-  double loss = 0;
-  for (int64_t i = 0; i < num_chunks; ++i) loss += host_losses.item(i) * double(chunk_valid_counts[i]) / double(valid);
-  return loss;
+  HeadLoss out{chunk_losses, {}};
+  for (int64_t count : chunk_valid_counts) out.weights.push_back(double(count) / double(valid));
+  return out;
 }
 
 double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const Tensor& targets, float scale) {
@@ -199,7 +206,7 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
   Saved saved;
   const Tensor h = trunk_forward(ctx, ids, saved);
   Tensor d = Tensor::empty(h.shape(), dtype_, ctx.device);
-  const double loss = head_loss(ctx, h, targets, device_targets, &d, scale);
+  const HeadLoss loss = head_loss(ctx, h, targets, device_targets, &d, scale);
   d = final_norm.backward_input(ctx, d, saved.final_norm);
   for (size_t i = layers.size(); i-- > 0;) {
     const Tensor dy = d;
@@ -208,13 +215,13 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
   }
   embedding_backward(ctx, ids.reshape({batch * seq}), d, token_embedding.grad);
   if (position_embedding.value.defined()) embedding_backward(ctx, positions, d, position_embedding.grad);
-  return loss;
+  return loss.read();  // the step's only wait for the GPU, after its whole backward is queued
 }
 
 double TransformerLM::forward_loss(Context& ctx, const Tensor& inputs, const Tensor& targets) {
   Saved saved;
   const Tensor ids = inputs.to(ctx.device), device_targets = targets.to(ctx.device);
-  return head_loss(ctx, trunk_forward(ctx, ids, saved), targets, device_targets, nullptr, 1.0f);
+  return head_loss(ctx, trunk_forward(ctx, ids, saved), targets, device_targets, nullptr, 1.0f).read();
 }
 
 Tensor TransformerLM::logits(Context& ctx, const Tensor& inputs) {

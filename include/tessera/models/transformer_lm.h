@@ -62,8 +62,15 @@ class TransformerLM {
   nn::Parameter& head_weight() { return config_.tie_embeddings ? token_embedding : lm_head; }
   // targets on any device (read on the host to count the valid ones); device_targets the
   // same ids on ctx's device.
-  double head_loss(Context& ctx, const Tensor& h, const Tensor& targets, const Tensor& device_targets, Tensor* d_h,
-                   float scale);
+  // The mean loss stays on the device (one slot per chunk, with its weight) until read(),
+  // so forward_backward can queue the whole backward before it waits for the GPU.
+  struct HeadLoss {
+    Tensor chunk_losses;          // undefined when no target is valid (the loss is 0)
+    std::vector<double> weights;  // valid targets of the chunk / valid targets in all
+    double read() const;
+  };
+  HeadLoss head_loss(Context& ctx, const Tensor& h, const Tensor& targets, const Tensor& device_targets, Tensor* d_h,
+                     float scale);
 
   ModelConfig config_;
   DType dtype_;
