@@ -37,7 +37,7 @@ start=$(date +%s)
 cmake --build build-gpu -j "$jobs" 2>&1 | grep -E "error|FAILED" | head -40
 echo "build took $(( $(date +%s) - start )) s"
 [ -x build-gpu/tessera ] || { echo "build failed"; exit 1; }
-build-gpu/tessera info | head -5
+build-gpu/tessera info
 
 summary=()
 # compute-sanitizer memcheck and racecheck over every GPU test program. The out-of-memory

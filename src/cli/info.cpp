@@ -6,6 +6,12 @@
 
 #include "cli/commands.h"
 #include "tessera/core/allocator.h"
+#if TESSERA_WITH_CUDNN
+#include <cudnn.h>
+#endif
+#if TESSERA_WITH_NCCL
+#include <nccl.h>
+#endif
 
 namespace tessera::cli {
 
@@ -17,6 +23,19 @@ void add_info_command(CLI::App& app) {
     std::printf("  BLAS        : %s\n", TESSERA_WITH_BLAS ? "OpenBLAS" : "built-in loop (no OpenBLAS found at build time)");
     std::printf("  CUDA backend: %s\n", TESSERA_WITH_CUDA ? "built" : "not built (configure with -DTESSERA_CUDA=ON)");
     std::printf("  GPU present : %s\n", cuda_available() ? "yes" : "no");
+#if TESSERA_WITH_CUDNN
+    std::printf("  cuDNN       : %zu (linked; headers %d.%d.%d)\n", cudnnGetVersion(), CUDNN_MAJOR, CUDNN_MINOR,
+                CUDNN_PATCHLEVEL);
+#else
+    std::printf("  cuDNN       : not found at build time (set CUDNN_ROOT)\n");
+#endif
+#if TESSERA_WITH_NCCL
+    int nccl_version = 0;
+    ncclGetVersion(&nccl_version);
+    std::printf("  NCCL        : %d (linked)\n", nccl_version);
+#else
+    std::printf("  NCCL        : not found at build time (set NCCL_ROOT)\n");
+#endif
   });
 }
 
