@@ -18,6 +18,16 @@ inline void check_on_device(const Context& ctx, const char* op, std::initializer
   }
 }
 
+// Bytes from a view's first element to just past its last, strides included.
+inline int64_t span_bytes(const Tensor& t) { return t.span_elements() * static_cast<int64_t>(dtype_size(t.dtype())); }
+
+// A matrix whose rows are contiguous, at any row stride >= its width: a column slice of a
+// wider buffer (the LM head pads the logits' row stride so its GEMMs stay aligned).
+inline void check_row_strided(const Tensor& t, const char* op, const char* name) {
+  TESSERA_CHECK(t.dim() == 2 && (t.is_contiguous() || (t.stride(1) == 1 && t.stride(0) >= t.size(1))), op, ": ", name,
+                " must be a 2-D matrix with contiguous rows, got ", t.describe());
+}
+
 [[noreturn]] inline void fail_no_kernel(const char* op, const Context& ctx) {
   TESSERA_FAIL(op, ": no kernel for device ", ctx.device.to_string(),
                " in this build; the CPU reference runs it with a CPU context");

@@ -20,13 +20,6 @@ bool is_gemm_input_dtype(DType t) {
 
 bool is_gemm_output_dtype(DType t) { return t == DType::F64 || t == DType::F32 || t == DType::BF16; }
 
-// Bytes from a tensor's first element to just past its last (its strides included).
-size_t span_bytes(const Tensor& t) {
-  int64_t last = 0;
-  for (int d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  return static_cast<size_t>(last + 1) * dtype_size(t.dtype());
-}
-
 // True when the byte ranges of two defined tensors intersect: a kernel writing one while
 // reading the other would read its own partial results.
 bool memory_overlaps(const Tensor& x, const Tensor& y) {
@@ -34,13 +27,6 @@ bool memory_overlaps(const Tensor& x, const Tensor& y) {
   const auto* x0 = static_cast<const char*>(x.raw_data());
   const auto* y0 = static_cast<const char*>(y.raw_data());
   return x0 < y0 + span_bytes(y) && y0 < x0 + span_bytes(x);
-}
-
-// A matrix whose rows are contiguous, at any row stride >= its width (e.g. logits whose
-// row stride is padded to a multiple of 8 elements so the GEMM stays aligned).
-void check_row_strided(const Tensor& t, const char* op, const char* name) {
-  TESSERA_CHECK(t.dim() == 2 && (t.is_contiguous() || (t.stride(1) == 1 && t.stride(0) >= t.size(1))), op, ": ", name,
-                " must be a 2-D matrix with contiguous rows, got ", t.describe());
 }
 
 // Every check of gemm (shapes, dtypes, layout, overlap), for gemm and its fused variants.

@@ -13,13 +13,6 @@ namespace {
 // The dtype the saved log-sum-exp must have: the statistics rule of every op.
 DType lse_dtype_for(const Tensor& logits) { return logits.dtype() == DType::F64 ? DType::F64 : DType::F32; }
 
-// Rows of V contiguous elements at any row stride >= V: the LM head pads the logits' row
-// stride to a multiple of 8 elements so that its GEMMs stay on aligned tensor-core paths.
-void check_row_strided(const Tensor& t, const char* op, const char* name) {
-  TESSERA_CHECK(t.dim() == 2 && (t.is_contiguous() || (t.stride(1) == 1 && t.stride(0) >= t.size(1))), op, ": ", name,
-                " must be 2-D with contiguous rows, got ", t.describe());
-}
-
 void check_logits_and_targets(const Tensor& logits, const Tensor& targets, const char* op) {
   check_row_strided(logits, op, "logits");
   check_contiguous(targets, op, "targets");

@@ -20,12 +20,6 @@ bool heads_packed(const Tensor& t) {
                                                 t.stride(0) == t.size(1) * t.stride(1)));
 }
 
-int64_t span_bytes(const Tensor& t) {
-  int64_t last = 0;
-  for (int d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  return (last + 1) * static_cast<int64_t>(dtype_size(t.dtype()));
-}
-
 void check_rope_arguments(const Tensor& in, const char* in_name, const Tensor& out, const char* out_name,
                           const RopeOptions& options, const char* op) {
   check_floating(in, op, in_name);

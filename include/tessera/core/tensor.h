@@ -87,9 +87,11 @@ class Tensor {
   std::vector<int64_t> to_ints() const;
   double item(int64_t flat_index) const;  // element flat_index of the logical view, as double
   void set_item(int64_t flat_index, double value);
+  // Elements from the first to the last of this view, strides included (non-empty views):
+  // the memory a kernel may touch, for overlap checks.
+  int64_t span_elements() const;
 
  private:
-  int64_t span_elements() const;   // elements from the first to the last of this view (non-empty)
   Tensor host_span_view() const;   // a CPU copy of that span, viewed with this shape and strides
 
   std::shared_ptr<Storage> storage_;
