@@ -197,11 +197,15 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
   // Every host-to-device copy of the step happens here, before the first kernel: a copy
   // from pageable host memory waits for the GPU to drain, which costs nothing only here.
   const Tensor ids = inputs.to(ctx.device), device_targets = targets.to(ctx.device);
-  Tensor positions;
-  if (position_embedding.value.defined()) {
+  // GPT-2's position ids for the backward: the same for every step of one shape, so built
+  // and copied once.
+  if (position_embedding.value.defined() &&
+      !(positions_.defined() && positions_seq_ == seq && positions_.numel() == batch * seq &&
+        positions_.device() == ctx.device)) {
     Tensor host_positions = Tensor::empty({batch * seq}, DType::I32);
     for (int64_t i = 0; i < batch * seq; ++i) host_positions.data<int32_t>()[i] = static_cast<int32_t>(i % seq);
-    positions = host_positions.to(ctx.device);
+    positions_ = host_positions.to(ctx.device);
+    positions_seq_ = seq;
   }
   Saved saved;
   const Tensor h = trunk_forward(ctx, ids, saved);
@@ -214,7 +218,7 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
     layers[i]->backward_weight(ctx, dy, saved.layers[i]);
   }
   embedding_backward(ctx, ids.reshape({batch * seq}), d, token_embedding.grad);
-  if (position_embedding.value.defined()) embedding_backward(ctx, positions, d, position_embedding.grad);
+  if (position_embedding.value.defined()) embedding_backward(ctx, positions_, d, position_embedding.grad);
   return loss.read();  // the step's only wait for the GPU, after its whole backward is queued
 }
 

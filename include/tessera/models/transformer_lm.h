@@ -77,6 +77,10 @@ class TransformerLM {
   // On CUDA with a vocabulary that is not a multiple of 64: the head weight's value and
   // gradient with zero padding rows; the Parameter holds views of their first V rows.
   Tensor head_value_padded_, head_grad_padded_;
+  // Position ids [B*T] (i % T) on the device for GPT-2's position-embedding backward,
+  // cached for the last (batch, seq) shape.
+  Tensor positions_;
+  int64_t positions_seq_ = 0;
 
  public:
   nn::Parameter token_embedding;     // [V, C]
