@@ -7,7 +7,8 @@
 // untimed ones, tokens per second and MFU from the median, and on CUDA the peak memory
 // the caching allocator held. Every step ends with the loss and gradient norm on the host,
 // so wall-clock time per step is the GPU time of the step. The side-by-side comparisons
-// with PyTorch are bench/cpu_train_step.py and bench/gpu_train_step.py.
+// with PyTorch are bench/cpu_train_step.py and bench/gpu_train_step.py; where the GPU time
+// of a step goes, kernel by kernel, is bench/profile_step.py (uses --profile).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -21,6 +22,8 @@
 #include "tessera/train/optimizer.h"
 
 #if TESSERA_WITH_CUDA
+#include <cuda_profiler_api.h>
+
 #include "backend/cuda/cuda_backend.h"
 #endif
 
@@ -59,6 +62,10 @@ int main(int argc, char** argv) {
   app.add_option("--seq", seq)->capture_default_str();
   app.add_option("--steps", steps)->capture_default_str();
   app.add_option("--warmup", warmup)->capture_default_str();
+  bool profile = false;
+  app.add_flag("--profile", profile,
+               "Mark the last step for a profiler started with profiling off (ncu --profile-from-start off; "
+               "bench/profile_step.py does this)");
   CLI11_PARSE(app, argc, argv);
   try {
     models::ModelConfig config = named_or_json(model_json);
@@ -77,11 +84,18 @@ int main(int argc, char** argv) {
     std::vector<double> times;
     double loss = 0;
     for (int64_t s = 0; s < warmup + steps; ++s) {
+      const bool profiled = profile && s == warmup + steps - 1;
+#if TESSERA_WITH_CUDA
+      if (profiled) cudaProfilerStart();
+#endif
       const auto start = std::chrono::steady_clock::now();
       model.zero_grad();
       loss = model.forward_backward(ctx, inputs, targets);
       optimizer.step(ctx, 1e-4);
       synchronize(ctx);
+#if TESSERA_WITH_CUDA
+      if (profiled) cudaProfilerStop();
+#endif
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (s >= warmup) times.push_back(seconds);
     }

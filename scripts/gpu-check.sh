@@ -11,6 +11,7 @@
 #   bench          training step, tessera vs PyTorch eager: GPT-2 124M and Llama-3.2-1B-shaped
 #   bench-compile  the same with torch.compile as well (slower to run)
 #   attention      attention kernels, tessera vs PyTorch SDPA backends
+#   profile        where the time of a training step goes, kernel by kernel (ncu), GPT-2 and Llama
 #   demo           `tessera train configs/demo.yaml --device cuda` end to end (sample + plot);
 #                  the text is data/kjv.txt when present, else the repository's docs
 #
@@ -38,6 +39,7 @@ cmake --build build-gpu -j "$jobs" 2>&1 | grep -E "error|FAILED" | head -40
 echo "build took $(( $(date +%s) - start )) s"
 [ -x build-gpu/tessera ] || { echo "build failed"; exit 1; }
 build-gpu/tessera info
+ldd build-gpu/tessera | grep -E "cudnn|nccl|cublas" || true
 
 summary=()
 # compute-sanitizer memcheck and racecheck over every GPU test program. The out-of-memory
@@ -107,6 +109,14 @@ if want attention && [ -x build-gpu/bench_attention ]; then
   log "attention: tessera vs PyTorch SDPA"
   build-gpu/bench_attention 2>&1 | tee "$out/bench-attention.log"
   python3 bench/attention_torch.py 2>&1 | tee -a "$out/bench-attention.log"
+fi
+
+if want profile; then
+  log "profile of one training step (ncu, kernel times grouped)"
+  python3 bench/profile_step.py --build build-gpu --model gpt2-124m --vocab 50304 --batch 16 --seq 1024 2>&1 |
+    tee "$out/profile-gpt2.log"
+  python3 bench/profile_step.py --build build-gpu --model llama3.2-1b --batch 4 --seq 2048 2>&1 |
+    tee "$out/profile-llama.log"
 fi
 
 log "summary"
