@@ -108,6 +108,16 @@ def main():
     for label, (ms, count) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
         print(f"{label:32s} {ms:9.2f} {100 * ms / step_ms:6.1f}% {count:9d}")
     print(f"{'idle (wall - kernels)':32s} {step_ms - kernel_ms:9.2f} {100 * (step_ms - kernel_ms) / step_ms:6.1f}%")
+    print("(ncu runs each kernel alone, at the clocks an idle GPU boosts to: under a step's sustained load the same")
+    print(" kernels can run slower, which shows up here as idle time)")
+    print()
+    print("largest kernels of each group:")
+    for label, _ in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        members = sorted(((ms, count, name) for name, (ms, count) in per_kernel.items() if category(name) == label),
+                         reverse=True)
+        print(f"  {label}:")
+        for ms, count, name in members[:3]:
+            print(f"    {ms:8.2f} ms {count:5d}x  {short(name)}")
     print()
     print(f"top {args.top} kernels:")
     for name, (ms, count) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[: args.top]:

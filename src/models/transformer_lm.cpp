@@ -113,8 +113,15 @@ Tensor TransformerLM::trunk_forward(Context& ctx, const Tensor& inputs, Saved& s
   const int64_t batch = inputs.size(0), seq = inputs.size(1);
   Tensor x = embed(ctx, inputs);
   saved.layers.resize(layers.size());
-  for (size_t i = 0; i < layers.size(); ++i) x = layers[i]->forward(ctx, x, batch, seq, saved.layers[i]);
-  return final_norm.forward(ctx, x, saved.final_norm);
+  // Each block hands on its output as two summands; the next norm adds them in its own pass.
+  Tensor branch;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const nn::TransformerLayer::Output out = layers[i]->forward(ctx, x, branch, batch, seq, saved.layers[i]);
+    x = out.residual;
+    branch = out.branch;
+  }
+  return branch.defined() ? final_norm.forward_add(ctx, x, branch, saved.final_norm)
+                          : final_norm.forward(ctx, x, saved.final_norm);
 }
 
 // Mean cross-entropy of h W^T against targets, chunk by chunk. With d_h, also writes the

@@ -26,11 +26,19 @@ TransformerLayer::TransformerLayer(const std::string& name, const models::ModelC
       mlp(name + ".mlp", c.hidden_size, c.ffn_size(), c.is_gpt2() ? Activation::GELU : Activation::SwiGLU, c.is_gpt2(),
           dtype, parallel) {}
 
+TransformerLayer::Output TransformerLayer::forward(Context& ctx, const Tensor& x, const Tensor& branch, int64_t batch,
+                                                  int64_t seq, Saved& saved) const {
+  // The block's input (x + branch when there is a branch) ends up in saved.norm1.x.
+  const Tensor attn_in = branch.defined() ? norm1.forward_add(ctx, x, branch, saved.norm1) : norm1.forward(ctx, x, saved.norm1);
+  const Tensor attn_out = attn.forward(ctx, attn_in, batch, seq, saved.attn);
+  // x1 = input + attn_out comes out of norm2's fused add, kept in saved.norm2.x.
+  const Tensor mlp_in = norm2.forward_add(ctx, saved.norm1.x, attn_out, saved.norm2);
+  return {saved.norm2.x, mlp.forward(ctx, mlp_in, saved.mlp)};
+}
+
 Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const {
-  const Tensor attn_out = attn.forward(ctx, norm1.forward(ctx, x, saved.norm1), batch, seq, saved.attn);
-  // x1 = x + attn_out comes out of norm2's fused add, kept in saved.norm2.x.
-  const Tensor mlp_in = norm2.forward_add(ctx, x, attn_out, saved.norm2);
-  return sum(ctx, saved.norm2.x, mlp.forward(ctx, mlp_in, saved.mlp));
+  const Output out = forward(ctx, x, Tensor(), batch, seq, saved);
+  return sum(ctx, out.residual, out.branch);
 }
 
 Tensor TransformerLayer::backward_input(Context& ctx, const Tensor& dy, Saved& saved) {

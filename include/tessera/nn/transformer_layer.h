@@ -1,7 +1,10 @@
 // TransformerLayer: pre-norm block, x1 = x + attn(norm1(x)), then x1 + mlp(norm2(x1)).
-// The residual add x + attn(...) runs inside norm2 (add_layernorm/add_rmsnorm), and in
-// backward each norm adds the residual path's gradient to its input gradient in the same
-// pass; the math, and on the CPU every bit, is that of the unfused block.
+// Both residual adds run inside a norm (add_layernorm / add_rmsnorm): x + attn(...) inside
+// norm2, and the block's own output x1 + mlp(...) inside the NEXT block's norm1 (or the
+// model's final norm), so a block hands on the two summands instead of their sum and no
+// separate add pass over the residual stream is left. In backward each norm adds the
+// residual path's gradient to its input gradient in the same pass. The math, and on the
+// CPU every bit, is that of the unfused block.
 #pragma once
 
 #include "tessera/models/config.h"
@@ -22,7 +25,18 @@ class TransformerLayer {
   TransformerLayer(const std::string& name, const models::ModelConfig& config, DType dtype,
                    const ParallelContext& parallel = {});
 
-  Tensor forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const;  // [B*T, C]
+  // The block's output, x1 + mlp(norm2(x1)), as its two summands: the residual stream x1
+  // and the MLP's output. The next norm adds them (Norm::forward_add).
+  struct Output {
+    Tensor residual, branch;
+  };
+  // The block's input is x + branch when `branch` is defined (the previous block's two
+  // summands, added inside norm1), else x. Tensors are [B*T, C].
+  Output forward(Context& ctx, const Tensor& x, const Tensor& branch, int64_t batch, int64_t seq, Saved& saved) const;
+  // The same with the output added up, for callers that want one tensor.
+  Tensor forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const;
+  // dy is the gradient w.r.t. the block's output (the sum); returns the gradient w.r.t. its
+  // input (the sum x + branch, which both summands receive).
   Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved);
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);
