@@ -347,3 +347,23 @@ TEST(GemmRowStrided, MatchesPackedOperands) {
   Tensor col_strided = Tensor::empty({9, 7}, DType::F32).transpose(0, 1);
   EXPECT_THROW(gemm(ctx, a, b, col_strided, {.transpose_b = true}), Error);
 }
+
+// linear_weight_grad is the weight GEMM plus bias_grad, both accumulating; on the CPU it is
+// literally those two ops, bit for bit.
+TEST(LinearWeightGrad, EqualsGemmThenBiasGrad) {
+  Context ctx = Context::cpu();
+  const Tensor dy = random_tensor({37, 11}, DType::F32, 1), x = random_tensor({37, 6}, DType::F32, 2);
+  Tensor dw = random_tensor({11, 6}, DType::F32, 3), db = random_tensor({11}, DType::F32, 4);
+  Tensor dw_want = dw.contiguous(), db_want = db.contiguous();
+  gemm(ctx, dy, x, dw_want, {.transpose_a = true, .beta = 1});
+  bias_grad(ctx, dy, db_want);
+  linear_weight_grad(ctx, dy, x, dw, db);
+  EXPECT_EQ(dw.to_doubles(), dw_want.to_doubles());
+  EXPECT_EQ(db.to_doubles(), db_want.to_doubles());
+  Tensor none, dw2 = Tensor::zeros({11, 6}, DType::F32), dw2_want = Tensor::zeros({11, 6}, DType::F32);
+  linear_weight_grad(ctx, dy, x, dw2, none);
+  gemm(ctx, dy, x, dw2_want, {.transpose_a = true, .beta = 1});
+  EXPECT_EQ(dw2.to_doubles(), dw2_want.to_doubles());
+  Tensor bad = Tensor::zeros({10}, DType::F32);
+  EXPECT_THROW(linear_weight_grad(ctx, dy, x, dw, bad), Error);
+}

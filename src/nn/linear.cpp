@@ -50,8 +50,8 @@ Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved
 }
 
 void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
-  gemm(ctx, dy, saved.x, weight.grad, {.transpose_a = true, .beta = 1});  // dW += dy^T x
-  if (bias.value.defined()) bias_grad(ctx, dy, bias.grad);
+  // dW += dy^T x and db += column sums of dy (one GEMM on CUDA, its epilogue sums the bias)
+  linear_weight_grad(ctx, dy, saved.x, weight.grad, bias.grad);
 }
 
 void Linear::parameters(ParameterList& out) {

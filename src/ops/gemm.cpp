@@ -4,6 +4,7 @@
 
 #include "backend/cpu/gemm.h"
 #include "tessera/ops/activation.h"
+#include "tessera/ops/elementwise.h"
 #include "dispatch.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -147,6 +148,28 @@ void bias_grad(Context& ctx, const Tensor& dy, Tensor& dbias) {
     fail_no_kernel(op, ctx);
   }
   cpu::bias_grad(dy, dbias);
+}
+
+void linear_weight_grad(Context& ctx, const Tensor& dy, const Tensor& x, Tensor& dweight, Tensor& dbias) {
+  const GemmOptions options{.transpose_a = true, .beta = 1};
+#if TESSERA_WITH_CUDA
+  // The bias gradient out of the weight GEMM's epilogue: cuBLASLt overwrites a vector, the
+  // gradient accumulates, so the sums land in a scratch vector that is then added (N floats,
+  // against a second pass over all of dy).
+  if (ctx.device.is_cuda() && dbias.defined() && dbias.dtype() == DType::F32 && dbias.is_contiguous() &&
+      dy.dim() == 2 && dbias.dim() == 1 && dbias.size(0) == dy.size(1) && dbias.device() == ctx.device &&
+      (dy.dtype() == DType::BF16 || dy.dtype() == DType::F32)) {
+    check_gemm(ctx, dy, x, dweight, options, Tensor(), "linear_weight_grad");
+    Tensor sums = Tensor::empty({dy.size(1)}, DType::F32, ctx.device);
+    if (cuda::gemm_bias_grad_available(dy, x, dweight, true, false, 1.0f, sums)) {
+      cuda::gemm(ctx.stream, dy, x, dweight, true, false, 1.0f, 1.0f, sums, GemmEpilogue::BiasGrad);
+      add(ctx, dbias, sums, dbias);
+      return;
+    }
+  }
+#endif
+  gemm(ctx, dy, x, dweight, options);
+  if (dbias.defined()) bias_grad(ctx, dy, dbias);
 }
 
 void sum_of_squares(Context& ctx, const Tensor& x, Tensor& out) {

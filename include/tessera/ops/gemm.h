@@ -9,6 +9,7 @@
 //   dx  = dy W              gemm(dy, W, dx)                                   (beta = 0)
 //   dW += dy^T x            gemm(dy, x, dW, {.transpose_a = true, .beta = 1})
 //   db += sum_rows(dy)      bias_grad(dy, db)
+// The last two in one call, and on CUDA one cuBLASLt GEMM: linear_weight_grad(dy, x, dW, db).
 #pragma once
 
 #include "tessera/core/context.h"
@@ -17,7 +18,9 @@
 namespace tessera {
 
 // What the GEMM does to its result before writing it (see gemm_bias_gelu below).
-enum class GemmEpilogue { None, Gelu, GeluBackward };
+// BiasGrad: the bias argument RECEIVES the row sums of op(a), bias[i] = sum_k op(a)[i, k]
+// (cuBLASLt's BGRADB), which for dW = dy^T x are the bias gradient's column sums of dy.
+enum class GemmEpilogue { None, Gelu, GeluBackward, BiasGrad };
 
 struct GemmOptions {
   bool transpose_a = false;  // op(a) = a^T, so a is stored as [K, M]
@@ -58,6 +61,15 @@ void gemm_gelu_backward(Context& ctx, const Tensor& a, const Tensor& b, const Te
 // A parameter gradient, so it ACCUMULATES into dbias (zero it before the first micro-batch).
 // Column sums are accumulated in double.
 void bias_grad(Context& ctx, const Tensor& dy, Tensor& dbias);
+
+// A linear layer's parameter gradients in one call:
+//   dweight[N, K] += dy^T x          dbias[N] += sum_m dy[m, n]
+// dy [M, N], x [M, K]; dbias may be undefined (no bias). Both ACCUMULATE. The CPU reference
+// is gemm(dy, x, dweight, {.transpose_a = true, .beta = 1}) followed by bias_grad. On CUDA
+// (BF16 or F32 dy and x, F32 gradients) the column sums come out of the weight GEMM's
+// epilogue (cuBLASLt BGRADB, FP32 sums) instead of a second pass over dy; where cuBLASLt
+// offers no such kernel for the shape, the two ops run as on the CPU.
+void linear_weight_grad(Context& ctx, const Tensor& dy, const Tensor& x, Tensor& dweight, Tensor& dbias);
 
 // out[0] = sum_i x[i]^2 over every element of x (any shape, any floating dtype).
 // out is [1], F32 or F64, and is overwritten. Accumulates in double, in a fixed order, so

@@ -47,6 +47,10 @@ bool gemm_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Ten
 bool gemm_epilogue_supported(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias, const Tensor& aux);
 void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transpose_a, bool transpose_b, float alpha,
           float beta, const Tensor& bias, GemmEpilogue epilogue = GemmEpilogue::None, const Tensor& aux = Tensor());
+// Whether cuBLASLt has a kernel for this GEMM with the BiasGrad epilogue (bias: F32, the
+// row sums of op(a)); builds and caches the plan, so the gemm call that follows reuses it.
+bool gemm_bias_grad_available(const Tensor& a, const Tensor& b, const Tensor& c, bool transpose_a, bool transpose_b,
+                              float beta, const Tensor& bias);
 
 // Allocator statistics, for tests and the benchmark reports.
 struct AllocatorStats {

@@ -1,7 +1,9 @@
 // GEMM on the GPU through cuBLASLt: c = alpha * op(a) op(b) + beta * c + bias, row-major,
 // FP32 accumulation (CUBLAS_COMPUTE_32F), optionally with GELU fused into the epilogue
 // (forward: c = gelu(product + bias) and the pre-activation saved as the epilogue's aux
-// output; backward: c = product * gelu'(pre)).
+// output; backward: c = product * gelu'(pre)), or with the bias gradient taken from the
+// weight-gradient GEMM's operand (BGRADB: for dW = dy^T x it writes the column sums of dy,
+// which saves linear layers a second pass over dy).
 //
 // cuBLASLt is column-major; a row-major [M, N] matrix is the column-major [N, M] one, so
 // the row-major product C = op(A) op(B) is computed as the column-major C^T = op(B)^T op(A)^T:
@@ -112,6 +114,7 @@ cublasLtEpilogue_t epilogue_of(GemmEpilogue e, bool has_bias) {
   switch (e) {
     case GemmEpilogue::Gelu: return has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     case GemmEpilogue::GeluBackward: return CUBLASLT_EPILOGUE_DGELU;
+    case GemmEpilogue::BiasGrad: return CUBLASLT_EPILOGUE_BGRADB;
     case GemmEpilogue::None: break;
   }
   return has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
@@ -133,7 +136,7 @@ Plan make_plan(cublasLtHandle_t handle, const PlanKey& key, const Tensor& a, con
     TESSERA_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
   }
-  if (key.epilogue != GemmEpilogue::None) {
+  if (key.epilogue == GemmEpilogue::Gelu || key.epilogue == GemmEpilogue::GeluBackward) {
     const int64_t aux_ld = key.n;  // the aux matrix is packed [m, n]
     TESSERA_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
@@ -179,6 +182,53 @@ bool gemm_epilogue_supported(const Tensor& a, const Tensor& b, const Tensor& c, 
          alignment_of(aux.raw_data()) >= 16;
 }
 
+namespace {
+
+PlanKey plan_key(const Tensor& a, const Tensor& b, const Tensor& c, bool transpose_a, bool transpose_b, float beta,
+                 const Tensor& bias, GemmEpilogue epilogue, const Tensor& aux) {
+  return PlanKey{c.device().index,
+                 c.size(0),
+                 c.size(1),
+                 transpose_a ? a.size(0) : a.size(1),
+                 a.size(0) > 1 ? a.stride(0) : a.size(1),
+                 b.size(0) > 1 ? b.stride(0) : b.size(1),
+                 c.size(0) > 1 ? c.stride(0) : c.size(1),
+                 transpose_a,
+                 transpose_b,
+                 bias.defined(),
+                 beta == 0.0f,
+                 a.dtype(),
+                 b.dtype(),
+                 c.dtype(),
+                 epilogue,
+                 alignment_of(a.raw_data()),
+                 alignment_of(b.raw_data()),
+                 alignment_of(c.raw_data()),
+                 aux.defined() ? alignment_of(aux.raw_data()) : 256u};
+}
+
+std::mutex plans_mutex;
+
+// The cached plan for a key, made on first use. Call with plans_mutex held; plans are never
+// erased, so the reference stays valid.
+Plan& plan_for(const PlanKey& key, const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias) {
+  static std::map<PlanKey, Plan> plans;
+  auto it = plans.find(key);
+  if (it == plans.end()) it = plans.emplace(key, make_plan(lt_state(key.device).handle, key, a, b, c, bias)).first;
+  return it->second;
+}
+
+}  // namespace
+
+bool gemm_bias_grad_available(const Tensor& a, const Tensor& b, const Tensor& c, bool transpose_a, bool transpose_b,
+                              float beta, const Tensor& bias) {
+  if (!bias.defined() || bias.dtype() != DType::F32 || alignment_of(bias.raw_data()) < 16) return false;
+  if (!(c.size(0) > 0 && c.size(1) > 0 && (transpose_a ? a.size(0) : a.size(1)) > 0)) return false;
+  const PlanKey key = plan_key(a, b, c, transpose_a, transpose_b, beta, bias, GemmEpilogue::BiasGrad, Tensor());
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  return plan_for(key, a, b, c, bias).has_algo;
+}
+
 void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transpose_a, bool transpose_b, float alpha,
           float beta, const Tensor& bias, GemmEpilogue epilogue, const Tensor& aux) {
   const int64_t m = c.size(0), n = c.size(1);
@@ -186,40 +236,17 @@ void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transp
   if (m == 0 || n == 0) return;
   TESSERA_CHECK(k > 0, "gemm on CUDA: an inner dimension of 0 has no cuBLASLt path (a ", a.describe(), ", b ",
                 b.describe(), ")");
-  const int device = c.device().index;
-  LtState& state = lt_state(device);
-  const PlanKey key{device,
-                    m,
-                    n,
-                    k,
-                    a.size(0) > 1 ? a.stride(0) : a.size(1),
-                    b.size(0) > 1 ? b.stride(0) : b.size(1),
-                    c.size(0) > 1 ? c.stride(0) : c.size(1),
-                    transpose_a,
-                    transpose_b,
-                    bias.defined(),
-                    beta == 0.0f,
-                    a.dtype(),
-                    b.dtype(),
-                    c.dtype(),
-                    epilogue,
-                    alignment_of(a.raw_data()),
-                    alignment_of(b.raw_data()),
-                    alignment_of(c.raw_data()),
-                    aux.defined() ? alignment_of(aux.raw_data()) : 256u};
-  static std::mutex mutex;
-  static std::map<PlanKey, Plan> plans;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = plans.find(key);
-  if (it == plans.end()) it = plans.emplace(key, make_plan(state.handle, key, a, b, c, bias)).first;
-  Plan& plan = it->second;
+  LtState& state = lt_state(c.device().index);
+  const PlanKey key = plan_key(a, b, c, transpose_a, transpose_b, beta, bias, epilogue, aux);
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  Plan& plan = plan_for(key, a, b, c, bias);
   // Pointers change from call to call; the descriptor is only used under the lock.
   if (bias.defined()) {
     const void* bias_ptr = bias.raw_data();
     TESSERA_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)));
   }
-  if (epilogue != GemmEpilogue::None) {
+  if (epilogue == GemmEpilogue::Gelu || epilogue == GemmEpilogue::GeluBackward) {
     const void* aux_ptr = aux.raw_data();
     TESSERA_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux_ptr, sizeof(aux_ptr)));
