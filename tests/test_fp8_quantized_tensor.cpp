@@ -1,6 +1,7 @@
 // Tests of QuantizedTensor: the transposed FP8 copy is the exact byte transpose, the amax
 // matches the amax op, fp8_gemm in all four orientations matches an FP32 GEMM of the
-// dequantized inputs, zero tensors, argument checks, and three steps of delayed scaling.
+// dequantized inputs, bias and FP8 output (with its amax), zero tensors, argument checks,
+// and three steps of delayed scaling. (The CUDA path: tests/test_gpu_fp8_gemm.cpp.)
 #include "tessera/fp8/quantized_tensor.h"
 
 #include <gtest/gtest.h>
@@ -152,6 +153,56 @@ TEST(Fp8QuantizedTensor, RejectsBadArguments) {
   const QuantizedTensor qa = quantize_current(ctx, x, DType::E4M3);
   Tensor c = Tensor::empty({4, 4}, DType::F32);
   EXPECT_THROW(fp8_gemm(ctx, qa, false, qa, false, c), Error);
+}
+
+// The options: a bias on every row, and an E4M3 output whose amax is the unscaled product's
+// (bias included) and whose codes are quantize_per_tensor's of that product.
+TEST(Fp8QuantizedTensor, BiasAndFp8Output) {
+  Context ctx = Context::cpu();
+  const QuantizedTensor qa = quantize_current(ctx, random_tensor({7, 32}, DType::F32, 21), DType::E4M3);
+  const QuantizedTensor qb = quantize_current(ctx, random_tensor({16, 32}, DType::F32, 22), DType::E4M3);
+  Fp8GemmOptions o;
+  o.alpha = 0.75f;
+  o.bias = random_tensor({16}, DType::BF16, 23);
+  Tensor c = Tensor::empty({7, 16}, DType::F32);
+  poison(c);
+  fp8_gemm(ctx, qa, false, qb, true, c, o);
+  Tensor want = Tensor::empty({7, 16}, DType::F32);
+  gemm(ctx, dequantize(ctx, qa), dequantize(ctx, qb), want, {.transpose_b = true, .alpha = 0.75f}, o.bias);
+  EXPECT_LT(relative_error(c, want), 1e-6);
+
+  o.out_scale = scalar(37.0f);
+  o.amax_out = Tensor::empty({1}, DType::F32);
+  poison(o.amax_out);
+  Tensor q = Tensor::empty({7, 16}, DType::E4M3);
+  fp8_gemm(ctx, qa, false, qb, true, q, o);
+  Tensor want_q = Tensor::empty({7, 16}, DType::E4M3), want_amax = Tensor::empty({1}, DType::F32);
+  quantize_per_tensor(ctx, c, scalar(37.0f), want_q, want_amax);  // c is the same F32 product
+  EXPECT_EQ(codes_of(q), codes_of(want_q));
+  EXPECT_EQ(o.amax_out.to_floats()[0], want_amax.to_floats()[0]);
+
+  // Without out_scale the scale is 1; amax is optional.
+  Fp8GemmOptions plain;
+  Tensor q1 = Tensor::empty({7, 16}, DType::E4M3);
+  fp8_gemm(ctx, qa, false, qb, true, q1, plain);
+  Tensor c1 = Tensor::empty({7, 16}, DType::F32), want_q1 = Tensor::empty({7, 16}, DType::E4M3);
+  fp8_gemm(ctx, qa, false, qb, true, c1);
+  quantize_per_tensor(ctx, c1, scalar(1.0f), want_q1);
+  EXPECT_EQ(codes_of(q1), codes_of(want_q1));
+}
+
+TEST(Fp8QuantizedTensor, RejectsBadOutputOptions) {
+  Context ctx = Context::cpu();
+  const QuantizedTensor qa = quantize_current(ctx, random_tensor({4, 16}, DType::F32, 1), DType::E4M3);
+  Tensor q = Tensor::empty({4, 4}, DType::E4M3), c = Tensor::empty({4, 4}, DType::F32);
+  EXPECT_THROW(fp8_gemm(ctx, qa, false, qa, true, q, 1.0f, 1.0f), Error);  // an FP8 output cannot accumulate
+  Fp8GemmOptions o;
+  o.amax_out = Tensor::empty({1}, DType::F32);
+  EXPECT_THROW(fp8_gemm(ctx, qa, false, qa, true, c, o), Error);  // amax_out needs an FP8 output
+  o.amax_out = Tensor::empty({2}, DType::F32);
+  EXPECT_THROW(fp8_gemm(ctx, qa, false, qa, true, q, o), Error);  // and must be F32 [1]
+  Tensor e5 = Tensor::empty({4, 4}, DType::E5M2);
+  EXPECT_THROW(fp8_gemm(ctx, qa, false, qa, true, e5), Error);  // E4M3 is the only FP8 output
 }
 
 // Three steps of the delayed recipe: quantize with the current scale, record the amax,

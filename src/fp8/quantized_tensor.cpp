@@ -2,21 +2,18 @@
 
 #include <cmath>
 
+#include "fp8_common.h"
+#include "ops/dispatch.h"
 #include "tessera/core/error.h"
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/quantize.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/gemm_fp8.h"
+#endif
 
 namespace tessera::fp8 {
 
 namespace {
-
-// 1 / scale as a host float; the F32 [1] tensor may live on any device.
-float host_scalar(const Tensor& t, const char* op, const char* name) {
-  check_defined(t, op, name);
-  check_dtype(t, DType::F32, op, name);
-  check_shape(t, {1}, op, name);
-  return t.to_floats()[0];
-}
 
 void check_quantized(const QuantizedTensor& q, const char* op, const char* name) {
   TESSERA_CHECK(q.data.defined() && q.data_t.defined() && q.scale_inv.defined(), op, ": ", name,
@@ -36,12 +33,30 @@ QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Ten
   TESSERA_CHECK(x.dim() == 2, op, ": x must be 2-D, got ", x.describe());
   TESSERA_CHECK(fp8 == DType::E4M3 || fp8 == DType::E5M2, op, ": fp8 must be E4M3 or E5M2, got ",
                 dtype_name(fp8));
-  const float s = host_scalar(scale, op, "scale");
-  // 0 or Inf would give a non-finite scale_inv; fp8_scale_from_amax never produces them.
-  TESSERA_CHECK(s > 0 && std::isfinite(s), op, ": scale must be finite and > 0, got ", s);
+  check_defined(scale, op, "scale");
+  check_dtype(scale, DType::F32, op, "scale");
+  check_shape(scale, {1}, op, "scale");
 
   QuantizedTensor q;
   q.dtype = fp8;
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    check_on_device(ctx, op, {&x, &scale});
+    q.data = Tensor::empty({x.size(0), x.size(1)}, fp8, ctx.device);
+    q.data_t = Tensor::empty({x.size(1), x.size(0)}, fp8, ctx.device);
+    q.scale_inv = Tensor::empty({1}, DType::F32, ctx.device);
+    Tensor no_amax;
+    quantize_per_tensor(ctx, x, scale, q.data, amax_out ? *amax_out : no_amax);
+    transpose_2d(ctx, q.data, q.data_t);
+    cuda::fp8_reciprocal_scale(ctx.stream, scale, q.scale_inv);
+    return q;
+#else
+    fail_no_kernel(op, ctx);
+#endif
+  }
+  const float s = host_scalar(scale, op, "scale");
+  // 0 or Inf would give a non-finite scale_inv; fp8_scale_from_amax never produces them.
+  TESSERA_CHECK(s > 0 && std::isfinite(s), op, ": scale must be finite and > 0, got ", s);
   q.data = Tensor::empty({x.size(0), x.size(1)}, fp8, ctx.device);
   q.data_t = Tensor::empty({x.size(1), x.size(0)}, fp8, ctx.device);
   Tensor no_amax;
@@ -59,20 +74,43 @@ Tensor dequantize(Context& ctx, const QuantizedTensor& q, DType out_dtype) {
 }
 
 void fp8_gemm(Context& ctx, const QuantizedTensor& a, bool transpose_a, const QuantizedTensor& b, bool transpose_b,
-              Tensor& c, float alpha, float beta) {
+              Tensor& c, const Fp8GemmOptions& options) {
   const char* op = "fp8_gemm";
   check_quantized(a, op, "a");
   check_quantized(b, op, "b");
-  GemmOptions options;
-  options.transpose_a = false;
-  options.transpose_b = true;
-  options.alpha = alpha;
-  options.beta = beta;
-  options.a_scale_inv = host_scalar(a.scale_inv, op, "a.scale_inv");
-  options.b_scale_inv = host_scalar(b.scale_inv, op, "b.scale_inv");
+  check_defined(c, op, "c");
   const Tensor& a_mk = transpose_a ? a.data_t : a.data;  // op(A) as [M, K]
   const Tensor& b_nk = transpose_b ? b.data : b.data_t;  // op(B)^T as [N, K]
-  gemm(ctx, a_mk, b_nk, c, options);
+  check_fp8_output_options(c, options, op);
+  check_on_device(ctx, op,
+                  {&a.data, &a.data_t, &a.scale_inv, &b.data, &b.data_t, &b.scale_inv, &c, &options.bias,
+                   &options.out_scale, &options.amax_out});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    const cuda::Fp8Operand ca{a_mk, a.scale_inv, cuda::Fp8ScaleMode::Tensor};
+    const cuda::Fp8Operand cb{b_nk, b.scale_inv, cuda::Fp8ScaleMode::Tensor};
+    cuda::fp8_gemm(ctx.stream, ca, cb, c, to_cuda_params(options));
+    return;
+#else
+    fail_no_kernel(op, ctx);
+#endif
+  }
+  GemmOptions g;
+  g.transpose_a = false;
+  g.transpose_b = true;
+  g.alpha = options.alpha;
+  g.beta = options.beta;
+  g.a_scale_inv = host_scalar(a.scale_inv, op, "a.scale_inv");
+  g.b_scale_inv = host_scalar(b.scale_inv, op, "b.scale_inv");
+  gemm_maybe_fp8_out(ctx, a_mk, b_nk, c, g, options);
+}
+
+void fp8_gemm(Context& ctx, const QuantizedTensor& a, bool transpose_a, const QuantizedTensor& b, bool transpose_b,
+              Tensor& c, float alpha, float beta) {
+  Fp8GemmOptions options;
+  options.alpha = alpha;
+  options.beta = beta;
+  fp8_gemm(ctx, a, transpose_a, b, transpose_b, c, options);
 }
 
 }  // namespace tessera::fp8

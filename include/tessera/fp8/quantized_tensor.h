@@ -29,11 +29,12 @@ struct QuantizedTensor {
 // (E4M3 or E5M2) with quantize_per_tensor, and transposes the result with transpose_2d, so
 // it runs wherever those two ops run. When amax_out is non-null (F32 [1]) it receives
 // max |x| of the unscaled input, the statistic delayed scaling records.
-// scale_inv = 1.0f / scale[0] is computed on the host, the same float division that
-// quantize_blockwise uses for its scale_inv, so for a device scale this reads one float
-// back (a stream synchronisation). The recipes keep scales on the host anyway
-// (DelayedScalingState), and gemm takes its scale_inv factors as host floats.
-// scale must be finite and > 0. All outputs are allocated on ctx.device.
+// scale_inv = 1.0f / scale[0], the same float division that quantize_blockwise uses:
+//  - on the CPU it is computed on the host, after checking that scale is finite and > 0;
+//  - on CUDA a one-thread kernel divides on the device (IEEE round to nearest, the same
+//    bits), so nothing waits for the GPU; the scale is not checked there, and one that is
+//    not finite and > 0 gives scale_inv = NaN, which turns every GEMM using it into NaN.
+// All outputs are allocated on ctx.device; x, scale and amax_out must live there too.
 QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
                                         Tensor* amax_out = nullptr);
 
@@ -41,16 +42,39 @@ QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Ten
 // (dequantize_per_tensor on q.data).
 Tensor dequantize(Context& ctx, const QuantizedTensor& q, DType out_dtype = DType::F32);
 
+// What an FP8 GEMM does besides the product (fp8_gemm, fp8_gemm_blockwise).
+struct Fp8GemmOptions {
+  float alpha = 1, beta = 0;  // c = alpha * op(A) op(B) (+ bias) + beta * c
+  // cuBLASLt's fast accumulation (partial sums stay in the tensor cores' reduced-precision
+  // accumulator): Transformer Engine uses it for the forward GEMM and not for the backward
+  // ones. No effect on the CPU, nor for block-scaled GEMMs (cuBLASLt always promotes there).
+  bool fast_accumulate = false;
+  Tensor bias;  // optional [N], added to every row; on CUDA it must be BF16
+  // E4M3 output only (per-tensor operands, beta = 0): c = fp8(result * out_scale), where
+  // result includes the bias; out_scale F32 [1] (undefined = 1), and amax_out F32 [1]
+  // receives max |result| before out_scale, the statistic the next layer's scale needs.
+  Tensor out_scale;
+  Tensor amax_out;
+};
+
 // c[M, N] = alpha * op(A) op(B) + beta * c, where A and B are the logical (unquantized)
 // matrices of a and b, op(X) = X^T when the flag is set, and the FP8 scale_inv factors are
-// applied by the GEMM. The operand passed to gemm is always chosen between data and data_t
-// so that the call is TN (transpose_a = false, transpose_b = true), the only layout
-// Hopper's FP8 GEMMs support:
+// applied by the GEMM. The operand used is always chosen between data and data_t so that
+// the call is TN (c = A' B'^T with A' [M, K] and B' [N, K] both K-contiguous), the only
+// layout Hopper's FP8 GEMMs support:
 //   op(A) = A   -> a.data   [M, K]       op(B) = B   -> b.data_t [N, K]
 //   op(A) = A^T -> a.data_t [M, K]       op(B) = B^T -> b.data   [N, K]
-// c: F32 or BF16 (or F64), as gemm allows. Reads both scale_inv values to the host.
 // E.g. for y = x W^T: fp8_gemm(x, false, w, true, y); dx = dy W: fp8_gemm(dy, false, w, false, dx);
 // dW = dy^T x: fp8_gemm(dy, true, x, false, dW, 1, 1).
+//
+// CPU: c F32, BF16 or F64 (as gemm allows) or E4M3 (options above); the product is gemm's
+// with the two scale_inv values read to the host (cheap there) and multiplied into alpha.
+// CUDA: cuBLASLt's FP8 GEMM (backend/cuda/gemm_fp8.h) with the scale_inv tensors as device
+// scale pointers: no host synchronisation. c F32, BF16 or E4M3; E5M2 x E5M2 is refused
+// (Hopper has no such GEMM), K and the operands' row strides must be multiples of 16, c's
+// rows 16-byte aligned; each violation is an Error that names it.
+void fp8_gemm(Context& ctx, const QuantizedTensor& a, bool transpose_a, const QuantizedTensor& b, bool transpose_b,
+              Tensor& c, const Fp8GemmOptions& options);
 void fp8_gemm(Context& ctx, const QuantizedTensor& a, bool transpose_a, const QuantizedTensor& b, bool transpose_b,
               Tensor& c, float alpha = 1, float beta = 0);
 
