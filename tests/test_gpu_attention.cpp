@@ -4,7 +4,8 @@
 // the bottom-right causal mask, fewer keys than queries without it, GQA and MQA, custom
 // and negative scales. Outputs are poisoned first (NaN), so an element a kernel forgets to
 // write fails; dq, dk and dv must be overwritten. lse is compared too. Skipped (saying so)
-// where no GPU is present.
+// where no GPU is present. The attention backend is forced to tessera here; cuDNN's path
+// and the choice between the two are tested in tests/test_gpu_attention_cudnn.cpp.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -20,6 +21,10 @@ using namespace tessera;
 using namespace tessera::testing;
 
 namespace {
+
+// These tests are about tessera's own kernels: keep cuDNN (tests/test_gpu_attention_cudnn.cpp)
+// out of the dispatch whatever TESSERA_ATTENTION_BACKEND says.
+[[maybe_unused]] const bool kTesseraKernels = (set_attention_backend(AttentionBackend::Tessera), true);
 
 struct Case {
   const char* name;

@@ -57,7 +57,7 @@ void add_train_commands(CLI::App& app) {
   static std::string config_path;
   static std::vector<std::string> overrides;
   static bool resume = false;
-  static std::string device, precision;
+  static std::string device, precision, attention_backend;
   CLI::App* train_cmd = app.add_subcommand("train", "Train a model from a YAML/JSON config (see docs/training.md)");
   train_cmd->add_option("config", config_path, "Config file (YAML or JSON)")->required()->check(CLI::ExistingFile);
   train_cmd->add_option("--set", overrides, "Override a config key, e.g. --set training.steps=200 (repeatable)");
@@ -66,11 +66,16 @@ void add_train_commands(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   train_cmd->add_option("--precision", precision, "auto, fp32 or bf16 (same as --set training.precision=...)")
       ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
+  train_cmd->add_option("--attention-backend", attention_backend,
+                        "CUDA attention: auto (the faster per shape, timed once), tessera or cudnn "
+                        "(same as --set training.attention_backend=...)")
+      ->check(CLI::IsMember({"auto", "tessera", "cudnn"}));
   train_cmd->callback([] {
     nlohmann::json j = train::load_config_file(config_path);
     for (const std::string& o : overrides) train::apply_override(j, o);
     if (!device.empty()) train::apply_override(j, "training.device=" + device);
     if (!precision.empty()) train::apply_override(j, "training.precision=" + precision);
+    if (!attention_backend.empty()) train::apply_override(j, "training.attention_backend=" + attention_backend);
     train::train(train::RunConfig::from_json(j), {.resume = resume});
   });
 

@@ -1,6 +1,9 @@
 #include "tessera/ops/attention.h"
 
+#include <atomic>
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
 
 #include "backend/cpu/attention.h"
 #include "dispatch.h"
@@ -55,7 +58,62 @@ void check_like(const char* op, const Tensor& t, const char* name, const Tensor&
   check_shape(t, like.shape(), op, name);
 }
 
+// The process-wide backend setting; -1 until set or first read (from the environment).
+std::atomic<int> g_attention_backend{-1};
+
 }  // namespace
+
+AttentionBackend parse_attention_backend(const std::string& name) {
+  std::string lower;
+  for (char c : name) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "auto") return AttentionBackend::Auto;
+  if (lower == "tessera") return AttentionBackend::Tessera;
+  if (lower == "cudnn") return AttentionBackend::Cudnn;
+  TESSERA_FAIL("unknown attention backend \"", name, "\": expected auto, tessera or cudnn");
+}
+
+const char* attention_backend_name(AttentionBackend backend) {
+  switch (backend) {
+    case AttentionBackend::Auto: return "auto";
+    case AttentionBackend::Tessera: return "tessera";
+    case AttentionBackend::Cudnn: return "cudnn";
+  }
+  return "?";
+}
+
+void set_attention_backend(AttentionBackend backend) { g_attention_backend.store(static_cast<int>(backend)); }
+
+AttentionBackend attention_backend() {
+  int value = g_attention_backend.load();
+  if (value < 0) {  // not set yet: TESSERA_ATTENTION_BACKEND, else Auto
+    AttentionBackend initial = AttentionBackend::Auto;
+    const char* env = std::getenv("TESSERA_ATTENTION_BACKEND");
+    if (env && *env) {
+      try {
+        initial = parse_attention_backend(env);
+      } catch (const Error& e) {
+        TESSERA_FAIL("environment variable TESSERA_ATTENTION_BACKEND: ", e.what());
+      }
+    }
+    g_attention_backend.compare_exchange_strong(value, static_cast<int>(initial));
+    value = g_attention_backend.load();
+  }
+  return static_cast<AttentionBackend>(value);
+}
+
+std::vector<std::string> attention_backend_choices() {
+#if TESSERA_WITH_CUDA
+  return cuda::attention_backend_choice_log();
+#else
+  return {};
+#endif
+}
+
+void clear_attention_backend_choices() {
+#if TESSERA_WITH_CUDA
+  cuda::clear_attention_backend_choice_log();
+#endif
+}
 
 void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
                        const AttentionOptions& options) {

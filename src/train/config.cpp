@@ -150,7 +150,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
   if (j.contains("training")) {
     const auto& t = j.at("training");
     check_keys(t, "training", {"steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches",
-                               "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "precision", "max_minutes",
+                               "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "precision", "attention_backend", "max_minutes",
                                "sample_prompt", "sample_tokens", "init_from"});
     read(t, "training.", "steps", c.training.steps);
     read(t, "training.", "batch_size", c.training.batch_size);
@@ -164,6 +164,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     read(t, "training.", "out_dir", c.training.out_dir);
     read(t, "training.", "device", c.training.device);
     read(t, "training.", "precision", c.training.precision);
+    read(t, "training.", "attention_backend", c.training.attention_backend);
     read(t, "training.", "max_minutes", c.training.max_minutes);
     read(t, "training.", "sample_prompt", c.training.sample_prompt);
     read(t, "training.", "init_from", c.training.init_from);
@@ -181,6 +182,8 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
                 t.device, "\"");
   TESSERA_CHECK(t.precision == "auto" || t.precision == "fp32" || t.precision == "bf16",
                 "config: training.precision must be auto, fp32 or bf16, got \"", t.precision, "\"");
+  TESSERA_CHECK(t.attention_backend == "auto" || t.attention_backend == "tessera" || t.attention_backend == "cudnn",
+                "config: training.attention_backend must be auto, tessera or cudnn, got \"", t.attention_backend, "\"");
   TESSERA_CHECK(c.optimizer.lr > 0, "config: optimizer.lr must be positive, got ", c.optimizer.lr);
   TESSERA_CHECK(c.optimizer.grad_clip >= 0, "config: optimizer.grad_clip must be >= 0, got ", c.optimizer.grad_clip);
   TESSERA_CHECK(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1 && c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1,
@@ -203,7 +206,8 @@ nlohmann::json RunConfig::to_json() const {
                         {"grad_accum", training.grad_accum}, {"eval_interval", training.eval_interval},
                         {"eval_batches", training.eval_batches}, {"checkpoint_interval", training.checkpoint_interval},
                         {"log_interval", training.log_interval}, {"seed", training.seed}, {"out_dir", training.out_dir},
-                        {"device", training.device}, {"precision", training.precision}, {"max_minutes", training.max_minutes},
+                        {"device", training.device}, {"precision", training.precision},
+                        {"attention_backend", training.attention_backend}, {"max_minutes", training.max_minutes},
                         {"init_from", training.init_from}, {"sample_prompt", training.sample_prompt}, {"sample_tokens", training.sample_tokens}}}};
 }
 

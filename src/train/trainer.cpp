@@ -15,6 +15,7 @@
 #include "tessera/io/atomic_file.h"
 #include "tessera/models/hf_convert.h"
 #include "tessera/models/transformer_lm.h"
+#include "tessera/ops/attention.h"
 #include "tessera/train/checkpoint.h"
 #include "tessera/train/optimizer.h"
 
@@ -125,6 +126,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   }
 
   const DType dtype = pick_dtype(t.precision, ctx);
+  // "auto" leaves the process default alone, which TESSERA_ATTENTION_BACKEND may have set.
+  if (t.attention_backend != "auto") set_attention_backend(parse_attention_backend(t.attention_backend));
   models::TransformerLM model(c.model, dtype);
   model.to(ctx.device);
   model.init(ctx, t.seed);

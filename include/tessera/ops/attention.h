@@ -18,6 +18,9 @@
 // against, not the fast path: it is O(T * S * D) work per head with no tiling.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "tessera/core/context.h"
 #include "tessera/core/tensor.h"
 
@@ -51,5 +54,35 @@ void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Ten
 void attention_backward(Context& ctx, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
                         const AttentionOptions& options = {});
+
+// ---- Which implementation runs attention on CUDA ------------------------------------------
+//
+// Two backends serve BF16 / F16 attention on CUDA: tessera's own FlashAttention-2-style
+// kernels, and cuDNN's fused flash attention (built through the cuDNN backend graph API,
+// when the build has cuDNN). Both write the same out and the same lse (natural-log
+// log-sum-exp, [B, Hq, T] F32), so a forward of one and a backward of the other agree.
+//  - Auto (the default): the first time a shape is seen (batch, lengths, heads, head dim,
+//    dtype, causal, device), if both backends can run it, forward+backward of each is
+//    timed once on scratch tensors of that shape and the faster is kept for that shape;
+//    one line on stderr says which and why. Run the first step of a shape outside CUDA
+//    graph capture (the timing synchronises the stream).
+//  - Tessera: always tessera's kernels.
+//  - Cudnn: cuDNN where it can run the shape; elsewhere tessera's kernels, with a one-time
+//    note on stderr (training never fails for the choice).
+// The environment variable TESSERA_ATTENTION_BACKEND=auto|tessera|cudnn sets the initial
+// value. The setting is process-wide; CPU contexts ignore it.
+enum class AttentionBackend { Auto, Tessera, Cudnn };
+
+void set_attention_backend(AttentionBackend backend);
+AttentionBackend attention_backend();
+// "auto", "tessera" or "cudnn" (case-insensitive); Error on anything else.
+AttentionBackend parse_attention_backend(const std::string& name);
+const char* attention_backend_name(AttentionBackend backend);
+// The lines printed so far for the choices Auto made (and for Cudnn requests that fell
+// back), oldest first; empty without CUDA.
+std::vector<std::string> attention_backend_choices();
+// Forgets every per-shape choice and the report, so the next call of each shape decides
+// again (for tests and benchmarks).
+void clear_attention_backend_choices();
 
 }  // namespace tessera

@@ -42,6 +42,7 @@ struct TrainingConfig {
   std::string out_dir = "runs/train";
   std::string device = "auto";    // auto (cuda when a GPU is present), cpu, cuda
   std::string precision = "auto"; // auto (bf16 on cuda, fp32 on cpu), fp32, bf16
+  std::string attention_backend = "auto";  // CUDA attention: auto (faster per shape), tessera, cudnn
   double max_minutes = 0;         // stop (and checkpoint) after this long; 0: no limit
   std::string init_from;          // start from these weights: a tessera checkpoint or run dir, or a Hugging Face dir
   std::string sample_prompt;      // printed with a sample at the end when non-empty

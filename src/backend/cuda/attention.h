@@ -3,7 +3,10 @@
 // softmax scale (never 0). Layout as in include/tessera/ops/attention.h:
 //   q, out, d_out, dq [B, T, Hq, D];  k, v, dk, dv [B, S, Hkv, D];  lse [B, Hq, T].
 //
-// Two paths behind one entry point each:
+// Three paths behind one entry point each:
+//  - cuDNN (attention_cudnn.cu, when the build has cuDNN): BF16 / F16 with lse F32, head
+//    dim a multiple of 8; taken when tessera::attention_backend() says so (Auto: whichever
+//    was faster for the shape, timed once; attention_select.cu);
 //  - fast (attention_fwd.cu, attention_bwd.cu): BF16 with D = 64 or 128, lse F32, 16-byte
 //    aligned pointers; FlashAttention-2-style tiles on the tensor cores (mma.sync);
 //  - generic (attention_generic.cu): every other floating dtype except F64 (F32, BF16,
@@ -11,6 +14,8 @@
 #pragma once
 
 #include <initializer_list>
+#include <string>
+#include <vector>
 
 #include "tessera/core/tensor.h"
 
@@ -44,6 +49,21 @@ void attention_forward_generic(void* stream, const Tensor& q, const Tensor& k, c
 void attention_backward_generic(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k,
                                 const Tensor& v, const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
                                 Tensor& dv, bool causal, float scale);
+
+// Whether cuDNN runs this call (attention_select.cu), following tessera::attention_backend():
+// Tessera never; Cudnn whenever cuDNN can (else a one-time note on stderr); Auto as timed
+// for the shape on its first call (both directions, on scratch tensors, printing one line).
+// The backward asks with the same shape key, so it follows the forward's choice. The first
+// call of a shape must not be inside CUDA graph capture (the timing synchronises); under
+// capture an unseen shape runs tessera's kernels and is decided at its next uncaptured call.
+bool attention_use_cudnn_forward(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                 const Tensor& lse, bool causal, float scale);
+bool attention_use_cudnn_backward(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
+                                  const Tensor& dk, const Tensor& dv, bool causal, float scale);
+// The lines printed for the choices so far, and forgetting them (with the choices).
+std::vector<std::string> attention_backend_choice_log();
+void clear_attention_backend_choice_log();
 
 // delta[b, h, t] = sum_d d_out[b, t, h, d] * out[b, t, h, d] in F32 (any dtype but F64);
 // delta is a contiguous F32 tensor of B * Hq * T elements. Shared by both backward paths.

@@ -1,5 +1,6 @@
 // Attention backward on the tensor cores, FlashAttention-2 style, for BF16 with head dim 64
-// or 128 (the gradients of attention_fwd.cu), plus the backward dispatcher. With
+// or 128 (the gradients of attention_fwd.cu), plus the backward dispatcher (which hands the
+// call to cuDNN when attention_select.cu says so, the same choice as the forward's). With
 // P = exp(scale * Q K^T - lse) rebuilt from the saved lse and Delta = rowsum(dO * O):
 //   dV = P^T dO,  dS = P * (dO V^T - Delta),  dK = scale * dS^T Q,  dQ = scale * dS K.
 //
@@ -32,6 +33,7 @@
 
 #include "attention.h"
 #include "attention_common.cuh"
+#include "attention_cudnn.h"
 #include "cuda_check.h"
 
 namespace tessera::cuda {
@@ -416,6 +418,10 @@ void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q,
 void attention_backward(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool causal,
                         float scale) {
+  if (attention_use_cudnn_backward(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale)) {
+    cudnn_attention_backward(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale);
+    return;
+  }
   if (attention_fast_path(q, k, lse, {&v, &d_out, &out, &dq, &dk, &dv}))
     attention_backward_fast(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale);
   else

@@ -1,7 +1,8 @@
 // Attention forward on the tensor cores, FlashAttention-2 style, for BF16 with head dim 64
 // or 128: out = softmax(scale * Q K^T) V and lse = log-sum-exp of each score row, without
 // ever materialising the T x S score matrix. Also the CUDA entry points that pick between
-// this path and the generic one (attention_generic.cu).
+// this path, cuDNN's (attention_cudnn.cu, chosen in attention_select.cu) and the generic one
+// (attention_generic.cu).
 //
 // Layout: q, out [B, T, Hq, D]; k, v [B, S, Hkv, D]; lse [B, Hq, T] F32; contiguous, 16-byte
 // aligned. Query head h reads kv head h / (Hq / Hkv). Causal masking is bottom-right
@@ -32,6 +33,7 @@
 
 #include "attention.h"
 #include "attention_common.cuh"
+#include "attention_cudnn.h"
 #include "cuda_check.h"
 
 namespace tessera::cuda {
@@ -321,6 +323,10 @@ void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, cons
 
 void attention_forward(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
                        bool causal, float scale) {
+  if (attention_use_cudnn_forward(stream, q, k, v, out, lse, causal, scale)) {
+    cudnn_attention_forward(stream, q, k, v, out, lse, causal, scale);
+    return;
+  }
   if (attention_fast_path(q, k, lse, {&v, &out})) attention_forward_fast(stream, q, k, v, out, lse, causal, scale);
   else attention_forward_generic(stream, q, k, v, out, lse, causal, scale);
 }
