@@ -26,6 +26,14 @@ parts=("$@")
 want() { local p; for p in "${parts[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 log() { echo "=== $* ==="; }
 
+# The H200 has cuDNN 9.14 in the system and 9.19 in PyTorch's wheels: build against the
+# wheels' (the version PyTorch runs, so side-by-side figures compare like with like), and
+# let its sub-libraries load from the same directory.
+cudnn_wheel=$(ls -d /opt/*/.venv/lib/python3*/site-packages/nvidia/cudnn 2>/dev/null | head -1)
+if [ -n "$cudnn_wheel" ] && [ -z "${CUDNN_ROOT:-}" ]; then
+  export CUDNN_ROOT=$cudnn_wheel LD_LIBRARY_PATH=$cudnn_wheel/lib:${LD_LIBRARY_PATH:-}
+fi
+
 log "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 nvcc --version | tail -1; cmake --version | head -1

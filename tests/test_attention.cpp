@@ -424,3 +424,39 @@ TEST(Attention, BackwardRejectsBadGradients) {
   EXPECT_THROW(attention_backward(ctx, d_out, q, short_kv, short_kv, out, lse, dq, short_kv, short_kv, {true, 0}),
                Error);
 }
+
+// Head slices of one fused [B, T, Hq + 2 Hkv, D] buffer (what the QKV projection writes) are
+// attended as they are, and gradients can be written into slices of a fused gradient: the
+// results equal those of packed copies, bit for bit.
+TEST(AttentionViews, FusedQkvSlicesEqualPackedCopies) {
+  Context ctx = Context::cpu();
+  const int64_t B = 2, T = 9, hq = 4, hkv = 2, D = 8;
+  for (const DType t : {DType::F32, DType::BF16}) {
+    const Tensor fused = random_tensor({B, T, hq + 2 * hkv, D}, t, 31, -2, 2);
+    const Tensor q = fused.slice(2, 0, hq), k = fused.slice(2, hq, hq + hkv), v = fused.slice(2, hq + hkv, hq + 2 * hkv);
+    ASSERT_FALSE(q.is_contiguous());
+    const AttentionOptions options{.causal = true};
+    Tensor out_view = Tensor::empty({B, T, hq, D}, t), lse_view = Tensor::empty({B, hq, T}, DType::F32);
+    Tensor out_packed = Tensor::empty({B, T, hq, D}, t), lse_packed = Tensor::empty({B, hq, T}, DType::F32);
+    attention_forward(ctx, q, k, v, out_view, lse_view, options);
+    attention_forward(ctx, q.contiguous(), k.contiguous(), v.contiguous(), out_packed, lse_packed, options);
+    EXPECT_EQ(out_view.to_doubles(), out_packed.to_doubles());
+    EXPECT_EQ(lse_view.to_doubles(), lse_packed.to_doubles());
+
+    const Tensor d_out = random_tensor({B, T, hq, D}, t, 32);
+    Tensor d_fused = Tensor::zeros({B, T, hq + 2 * hkv, D}, t);
+    Tensor dq = d_fused.slice(2, 0, hq), dk = d_fused.slice(2, hq, hq + hkv), dv = d_fused.slice(2, hq + hkv, hq + 2 * hkv);
+    attention_backward(ctx, d_out, q, k, v, out_view, lse_view, dq, dk, dv, options);
+    Tensor dq_p = Tensor::empty(dq.shape(), t), dk_p = Tensor::empty(dk.shape(), t), dv_p = Tensor::empty(dv.shape(), t);
+    attention_backward(ctx, d_out, q.contiguous(), k.contiguous(), v.contiguous(), out_packed, lse_packed, dq_p, dk_p,
+                       dv_p, options);
+    EXPECT_EQ(dq.contiguous().to_doubles(), dq_p.to_doubles());
+    EXPECT_EQ(dk.contiguous().to_doubles(), dk_p.to_doubles());
+    EXPECT_EQ(dv.contiguous().to_doubles(), dv_p.to_doubles());
+  }
+  // A view whose heads are not packed (a slice along head_dim) is refused with a clear error.
+  const Tensor wide = random_tensor({1, 4, 2, 16}, DType::F32, 33);
+  const Tensor bad = wide.slice(3, 0, 8);
+  Tensor out = Tensor::empty({1, 4, 2, 8}, DType::F32), lse = Tensor::empty({1, 2, 4}, DType::F32);
+  EXPECT_THROW(attention_forward(ctx, bad, bad, bad, out, lse), Error);
+}

@@ -244,3 +244,38 @@ TEST(GpuAttention, F64HasNoCudaKernel) {
   Tensor out = Tensor::empty({1, 2, 1, 4}, DType::F64, cuda), lse = Tensor::empty({1, 1, 2}, DType::F64, cuda);
   EXPECT_THROW(attention_forward(gpu, q, k, v, out, lse), Error);
 }
+
+// Head slices of one fused QKV buffer through the op front end, with gradients written into
+// slices of a fused gradient, on each backend: the same results as the CPU reference.
+TEST(GpuAttention, FusedQkvViewsMatchTheCpuReference) {
+  REQUIRE_GPU();
+  Context gpu = Context::cuda(), host = Context::cpu();
+  const int64_t B = 2, T = 130, hq = 8, hkv = 2, D = 64;
+  const Tensor fused = random_tensor({B, T, hq + 2 * hkv, D}, DType::BF16, 77, -2, 2);
+  const Tensor d_out = random_tensor({B, T, hq, D}, DType::BF16, 78);
+  const auto slices = [&](const Tensor& f) {
+    return std::vector<Tensor>{f.slice(2, 0, hq), f.slice(2, hq, hq + hkv), f.slice(2, hq + hkv, hq + 2 * hkv)};
+  };
+  const AttentionOptions options{.causal = true};
+  const std::vector<Tensor> qkv_cpu = slices(fused);
+  Tensor out_cpu = Tensor::empty({B, T, hq, D}, DType::BF16), lse_cpu = Tensor::empty({B, hq, T}, DType::F32);
+  attention_forward(host, qkv_cpu[0], qkv_cpu[1], qkv_cpu[2], out_cpu, lse_cpu, options);
+  Tensor d_fused_cpu = Tensor::zeros({B, T, hq + 2 * hkv, D}, DType::BF16);
+  std::vector<Tensor> d_cpu = slices(d_fused_cpu);
+  attention_backward(host, d_out, qkv_cpu[0], qkv_cpu[1], qkv_cpu[2], out_cpu, lse_cpu, d_cpu[0], d_cpu[1], d_cpu[2],
+                     options);
+  for (const AttentionBackend backend : {AttentionBackend::Tessera, AttentionBackend::Cudnn}) {
+    set_attention_backend(backend);
+    const Tensor fused_gpu = fused.to(kCuda);
+    const std::vector<Tensor> qkv = slices(fused_gpu);
+    Tensor out = poisoned_on_gpu({B, T, hq, D}, DType::BF16), lse = poisoned_on_gpu({B, hq, T}, DType::F32);
+    attention_forward(gpu, qkv[0], qkv[1], qkv[2], out, lse, options);
+    Tensor d_fused = poisoned_on_gpu({B, T, hq + 2 * hkv, D}, DType::BF16);
+    std::vector<Tensor> d = slices(d_fused);
+    attention_backward(gpu, d_out.to(kCuda), qkv[0], qkv[1], qkv[2], out, lse, d[0], d[1], d[2], options);
+    const std::string what = attention_backend_name(backend);
+    EXPECT_LT(relative_error(cpu(out), out_cpu), tolerance(DType::BF16)) << what;
+    EXPECT_LT(relative_error(cpu(d_fused), d_fused_cpu), tolerance(DType::BF16)) << what;
+  }
+  set_attention_backend(AttentionBackend::Tessera);
+}

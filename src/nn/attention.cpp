@@ -14,19 +14,15 @@ SelfAttention::SelfAttention(const std::string& name, const AttentionConfig& c, 
 Tensor SelfAttention::forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const {
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = head_dim_;
   const Tensor fused = qkv.forward(ctx, x, saved.qkv_in).reshape({batch, seq, hq + 2 * hkv, d});
-  // The attention op wants each of Q, K, V contiguous: split the fused projection. With
-  // RoPE the rotation reads Q and K straight from the fused rows (split + rotate in one pass).
+  // Q, K and V stay where the projection wrote them: the attention op takes head slices of
+  // the fused buffer. RoPE rotates Q and K there, in place, in one pass.
   if (config_.rope) {
-    const RopeOptions rope{.theta = config_.rope_theta};
-    saved.q = Tensor::empty({batch, seq, hq, d}, x.dtype(), ctx.device);
-    saved.k = Tensor::empty({batch, seq, hkv, d}, x.dtype(), ctx.device);
-    rope_forward(ctx, fused.slice(2, 0, hq), saved.q, rope);
-    rope_forward(ctx, fused.slice(2, hq, hq + hkv), saved.k, rope);
-  } else {
-    saved.q = fused.slice(2, 0, hq).contiguous();
-    saved.k = fused.slice(2, hq, hq + hkv).contiguous();
+    Tensor qk = fused.slice(2, 0, hq + hkv);
+    rope_forward(ctx, qk, qk, {.theta = config_.rope_theta});
   }
-  saved.v = fused.slice(2, hq + hkv, hq + 2 * hkv).contiguous();
+  saved.q = fused.slice(2, 0, hq);
+  saved.k = fused.slice(2, hq, hq + hkv);
+  saved.v = fused.slice(2, hq + hkv, hq + 2 * hkv);
   const DType stats = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
   saved.out = Tensor::empty({batch, seq, hq, d}, x.dtype(), ctx.device);
   saved.lse = Tensor::empty({batch, hq, seq}, stats, ctx.device);
@@ -38,21 +34,16 @@ Tensor SelfAttention::backward_input(Context& ctx, const Tensor& dy, Saved& save
   const int64_t batch = saved.q.size(0), seq = saved.q.size(1);
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = head_dim_;
   const Tensor d_out = proj.backward_input(ctx, dy, saved.out_in).reshape({batch, seq, hq, d});
-  Tensor dq = Tensor::empty(saved.q.shape(), dy.dtype(), ctx.device);
-  Tensor dk = Tensor::empty(saved.k.shape(), dy.dtype(), ctx.device);
-  Tensor dv = Tensor::empty(saved.v.shape(), dy.dtype(), ctx.device);
-  attention_backward(ctx, d_out, saved.q, saved.k, saved.v, saved.out, saved.lse, dq, dk, dv, {.causal = config_.causal});
+  // dQ, dK and dV are written straight into the fused projection's gradient, and the
+  // inverse rotation runs there in place, over dQ and dK in one pass.
   saved.d_qkv = Tensor::empty({batch, seq, hq + 2 * hkv, d}, dy.dtype(), ctx.device);
-  Tensor d_q_part = saved.d_qkv.slice(2, 0, hq), d_k_part = saved.d_qkv.slice(2, hq, hq + hkv);
-  if (config_.rope) {  // the inverse rotation writes straight into the fused gradient
-    const RopeOptions rope{.theta = config_.rope_theta};
-    rope_backward(ctx, dq, d_q_part, rope);
-    rope_backward(ctx, dk, d_k_part, rope);
-  } else {
-    d_q_part.copy_from(dq);
-    d_k_part.copy_from(dk);
+  Tensor dq = saved.d_qkv.slice(2, 0, hq), dk = saved.d_qkv.slice(2, hq, hq + hkv);
+  Tensor dv = saved.d_qkv.slice(2, hq + hkv, hq + 2 * hkv);
+  attention_backward(ctx, d_out, saved.q, saved.k, saved.v, saved.out, saved.lse, dq, dk, dv, {.causal = config_.causal});
+  if (config_.rope) {
+    Tensor d_qk = saved.d_qkv.slice(2, 0, hq + hkv);
+    rope_backward(ctx, d_qk, d_qk, {.theta = config_.rope_theta});
   }
-  saved.d_qkv.slice(2, hq + hkv, hq + 2 * hkv).copy_from(dv);
   saved.d_qkv = saved.d_qkv.reshape({batch * seq, (hq + 2 * hkv) * d});
   return qkv.backward_input(ctx, saved.d_qkv, saved.qkv_in);
 }

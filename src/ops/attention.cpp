@@ -15,16 +15,30 @@ namespace tessera {
 
 namespace {
 
+// [B, T, H, D] with each token's H * D values packed and tokens at a common stride: a
+// contiguous tensor, or heads sliced out of a fused [B, T, Hq + 2 Hkv, D] QKV buffer (so the
+// projection's output is attended without first splitting it into three copies).
+bool heads_packed(const Tensor& t) {
+  return t.dim() == 4 && (t.is_contiguous() || (t.stride(3) == 1 && t.stride(2) == t.size(3) &&
+                                                t.stride(1) >= t.size(2) * t.size(3) &&
+                                                t.stride(0) == t.size(1) * t.stride(1)));
+}
+
+void check_heads_packed(const Tensor& t, const char* op, const char* name) {
+  TESSERA_CHECK(heads_packed(t), op, ": ", name, " must be contiguous or a head slice of a contiguous [B, T, H, D] ",
+                "buffer (tokens at a common stride), got ", t.describe());
+}
+
 // Checks q, k, v (and the lse shape) and returns the resolved softmax scale.
 double check_attention_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
                               const AttentionOptions& options) {
-  check_contiguous(q, op, "q");
-  check_contiguous(k, op, "k");
-  check_contiguous(v, op, "v");
   check_contiguous(lse, op, "lse");
   check_floating(q, op, "q");
   TESSERA_CHECK(q.dim() == 4, op, ": q must be 4-D [batch, queries, q_heads, head_dim], got ", q.describe());
   TESSERA_CHECK(k.dim() == 4, op, ": k must be 4-D [batch, keys, kv_heads, head_dim], got ", k.describe());
+  check_heads_packed(q, op, "q");
+  check_heads_packed(k, op, "k");
+  check_heads_packed(v, op, "v");
   check_dtype(k, q.dtype(), op, "k");
   check_dtype(v, q.dtype(), op, "v");
   check_shape(v, k.shape(), op, "v");
@@ -53,7 +67,7 @@ double check_attention_inputs(const char* op, const Tensor& q, const Tensor& k, 
 
 // A tensor shaped and typed like `like` (q or k).
 void check_like(const char* op, const Tensor& t, const char* name, const Tensor& like) {
-  check_contiguous(t, op, name);
+  check_heads_packed(t, op, name);
   check_dtype(t, like.dtype(), op, name);
   check_shape(t, like.shape(), op, name);
 }
@@ -131,7 +145,10 @@ void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Ten
     fail_no_kernel(op, ctx);
   }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
-  cpu::attention_forward(q, k, v, out, lse, options.causal, scale);
+  // The reference wants packed tensors.
+  Tensor packed_out = out.is_contiguous() ? out : Tensor::empty(out.shape(), out.dtype(), out.device());
+  cpu::attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), packed_out, lse, options.causal, scale);
+  if (!out.is_contiguous()) out.copy_from(packed_out);
 }
 
 void attention_backward(Context& ctx, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -156,7 +173,14 @@ void attention_backward(Context& ctx, const Tensor& d_out, const Tensor& q, cons
     fail_no_kernel(op, ctx);
   }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
-  cpu::attention_backward(d_out, q, k, v, out, lse, dq, dk, dv, options.causal, scale);
+  // The reference wants packed tensors.
+  const auto packed = [](Tensor& t) { return t.is_contiguous() ? t : Tensor::empty(t.shape(), t.dtype(), t.device()); };
+  Tensor packed_dq = packed(dq), packed_dk = packed(dk), packed_dv = packed(dv);
+  cpu::attention_backward(d_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse,
+                          packed_dq, packed_dk, packed_dv, options.causal, scale);
+  if (!dq.is_contiguous()) dq.copy_from(packed_dq);
+  if (!dk.is_contiguous()) dk.copy_from(packed_dk);
+  if (!dv.is_contiguous()) dv.copy_from(packed_dv);
 }
 
 }  // namespace tessera

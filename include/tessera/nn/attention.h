@@ -18,7 +18,7 @@ class SelfAttention {
  public:
   struct Saved {
     Linear::Saved qkv_in, out_in;
-    Tensor q, k, v, out, lse;  // q and k after RoPE
+    Tensor q, k, v, out, lse;  // head slices of the fused QKV output (q and k after RoPE)
     Tensor d_qkv;              // filled by backward_input, consumed by backward_weight
   };
   SelfAttention(const std::string& name, const AttentionConfig& config, DType dtype, const ParallelContext& parallel = {});

@@ -422,6 +422,20 @@ void attention_backward(void* stream, const Tensor& d_out, const Tensor& q, cons
     cudnn_attention_backward(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale);
     return;
   }
+  // tessera's kernels index packed [B, T, H, D] tensors: head slices of a fused QKV buffer
+  // (and of its gradient) are packed first (cuDNN, above, takes them as they are).
+  const bool packed = d_out.is_contiguous() && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+                      out.is_contiguous() && dq.is_contiguous() && dk.is_contiguous() && dv.is_contiguous();
+  if (!packed) {
+    const auto packed_like = [](Tensor& t) { return t.is_contiguous() ? t : Tensor::empty(t.shape(), t.dtype(), t.device()); };
+    Tensor pdq = packed_like(dq), pdk = packed_like(dk), pdv = packed_like(dv);
+    attention_backward(stream, d_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse,
+                       pdq, pdk, pdv, causal, scale);
+    if (!dq.is_contiguous()) dq.copy_from(pdq);
+    if (!dk.is_contiguous()) dk.copy_from(pdk);
+    if (!dv.is_contiguous()) dv.copy_from(pdv);
+    return;
+  }
   if (attention_fast_path(q, k, lse, {&v, &d_out, &out, &dq, &dk, &dv}))
     attention_backward_fast(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale);
   else

@@ -327,6 +327,14 @@ void attention_forward(void* stream, const Tensor& q, const Tensor& k, const Ten
     cudnn_attention_forward(stream, q, k, v, out, lse, causal, scale);
     return;
   }
+  // tessera's kernels index packed [B, T, H, D] tensors: head slices of a fused QKV buffer
+  // are packed first (cuDNN, above, takes them as they are).
+  if (!(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous())) {
+    Tensor packed_out = out.is_contiguous() ? out : Tensor::empty(out.shape(), out.dtype(), out.device());
+    attention_forward(stream, q.contiguous(), k.contiguous(), v.contiguous(), packed_out, lse, causal, scale);
+    if (!out.is_contiguous()) out.copy_from(packed_out);
+    return;
+  }
   if (attention_fast_path(q, k, lse, {&v, &out})) attention_forward_fast(stream, q, k, v, out, lse, causal, scale);
   else attention_forward_generic(stream, q, k, v, out, lse, causal, scale);
 }
