@@ -8,7 +8,9 @@
 // Hq must be a multiple of Hkv; query head h reads kv head h / (Hq / Hkv) (Hkv = Hq is
 // plain multi-head attention, Hkv = 1 is multi-query attention).
 //
-// Every tensor is contiguous. q, k, v, out, d_out, dq, dk, dv share one floating dtype;
+// lse is contiguous; the others are contiguous or head slices of a contiguous [B, T, H', D]
+// buffer (tokens at a common stride: Q, K and V sliced from a fused QKV projection, dQ, dK, dV
+// written into slices of its gradient). q, k, v, out, d_out, dq, dk, dv share one floating dtype;
 // lse is F32 or F64 (use F64 with F64 inputs, or backward recomputes the probabilities
 // only to F32 precision). The reference computes in double for F64 tensors and in float
 // otherwise (BF16, F16, FP8 are upcast exactly). Outputs are preallocated by the caller
