@@ -26,7 +26,8 @@ TEST(GpuElementwise, MatchesTheCpuReference) {
   const Device cuda = Device::cuda();
   uint64_t seed = 10;
   for (DType t : {DType::F32, DType::BF16}) {
-    for (Shape shape : {Shape{1, 2}, Shape{7, 34}, Shape{33, 1026}}) {
+    // The last two take the 16-byte vector paths (SwiGLU too: F % 8 == 0).
+    for (Shape shape : {Shape{1, 2}, Shape{7, 34}, Shape{33, 1026}, Shape{9, 2064}, Shape{3, 4096}}) {
       const Tensor x = random_tensor(shape, t, seed++, -4.0f, 4.0f), z = random_tensor(shape, t, seed++);
       const std::string what = std::string(dtype_name(t)) + shape_to_string(shape);
       {

@@ -13,7 +13,11 @@
 // Floor (H200, ~4.1 TB/s): forward reads x and residual and writes sum and y, 4 passes of the
 // activation (16384x4096 BF16: 537 MB, ~130 us) against 5 for add() then the norm; backward
 // reads x, dy, d_residual and writes dx, 4 passes (~130 us) against 6 unfused, plus the
-// parameter-gradient partials.
+// parameter-gradient partials. Measured there against cudaMemcpy D2D in the same run
+// (bench_bandwidth): backward with the add 65% (LayerNorm) and 72% (RMSNorm). Forward: 77%
+// (LayerNorm) and 94% (RMSNorm) with one row group per block and per-element FP64 sums;
+// 74% / 85% with the plain norms' persistent, prefetching launch; this version (one row
+// group per block, per-vector sums) is not measured yet.
 #include "norm.h"
 #include "norm_launch.cuh"
 

@@ -4,17 +4,26 @@
 // target (outside [0, V), not ignore_index) is reported lazily (index_error.h): the loss
 // becomes NaN, the row's gradient NaN, and the next embedding/cross-entropy call throws.
 //
-// Layout: logits / d_logits [N, V] row-major. One 512-thread block per row. Rows of an odd
-// vocabulary (GPT-2's 50257) start at any 2- or 4-byte boundary, so each row is walked as
-// a scalar head up to the first 16-byte boundary, 8-element (16/32-byte) vectors, and a
-// scalar tail. The forward reads each row once (online max and rescaled sum per thread,
-// merged across the block), then one block sums the row losses in a fixed order
-// (deterministic). The backward reads each row once and writes it once; it may run in
-// place (d_logits == logits), because every element is read and written by one thread.
+// Layout: logits / d_logits [N, V] row-major. Forward: rows of up to 16384 logits whose
+// rows are 16-byte aligned are held in registers by a group of threads (two passes over the
+// registers: max, then the sum of exponentials); wider or unaligned rows (GPT-2's 50257
+// starts rows at any 2- or 4-byte boundary) take one 512-thread block per row, walked as a
+// scalar head up to the first 16-byte boundary, 8-element (16/32-byte) vectors and a scalar
+// tail, with an online max and rescaled sum per thread merged across the block. Either way
+// the row's loss term lse - logits[n, target] is written next to its lse, and one block sums
+// the terms in a fixed order (deterministic). The backward reads each row once and writes it
+// once, 256 threads a row, two vectors in flight per thread; it may run in place
+// (d_logits == logits), because every element is read and written by one thread.
 // Floors: forward N * V * bytes / 4.1 TB/s (1024 x 128256 BF16 = 263 MB -> 64 us);
-// backward twice that.
+// backward twice that. Measured on the H200 against cudaMemcpy D2D (3.8 TB/s) in the same
+// run (bench_bandwidth, 16384 x 4096 BF16), before -> after: forward 12 -> 53% (it was one
+// 512-thread block per row with a serial 16-way merge, then a single block gathering each
+// row's target logit), backward 66 -> 68%. Both short of 85%: the forward's row loss term
+// re-reads the target logit after the row's reductions, and the backward waits for the
+// row's target before issuing the row's loads.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cuda_check.h"
@@ -28,8 +37,12 @@ namespace {
 
 using vec::kWidth;
 
-constexpr int kRowThreads = 512;
+constexpr int kRowThreads = 512;     // the looping forward kernel: one block per row
+constexpr int kGradThreads = 256;    // the backward: one block per row
 constexpr int kReduceThreads = 1024;
+constexpr int kLseMaxGroup = 512;    // the register forward kernel: threads per row ...
+constexpr int kLseMaxVectors = 4;    // ... and vectors per thread (rows up to 16384 logits)
+constexpr int kUnroll = 8;           // rows per thread per step of the single-block sums
 
 // ---- Online log-sum-exp ------------------------------------------------------------------
 //
@@ -84,8 +97,20 @@ __device__ Lse block_lse(Lse v) {
   return r;
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kRowThreads) lse_kernel(const T* logits, float* lse, int64_t vocab, int64_t ld) {
+// The row's loss term lse - logits[row, target] in double (0 for an ignored or bad target:
+// the sum skips those rows), from the lse value just stored.
+template <typename T, typename Tg>
+__device__ __forceinline__ void write_term(const T* row_logits, const Tg* targets, int64_t row, float lse_value,
+                                           int64_t vocab, int64_t ignore_index, double* terms) {
+  const int64_t t = static_cast<int64_t>(targets[row]);
+  const bool ok = t != ignore_index && t >= 0 && t < vocab;
+  terms[row] = ok ? static_cast<double>(lse_value) - static_cast<double>(vec::load(row_logits, t)) : 0.0;
+}
+
+template <typename T, typename Tg>
+__global__ void __launch_bounds__(kRowThreads)
+    lse_kernel(const T* logits, const Tg* targets, float* lse, double* terms, int64_t vocab, int64_t ld,
+               int64_t ignore_index) {
   const T* x = logits + blockIdx.x * ld;
   const int64_t head = min(vec::misalignment_head(x), vocab);
   const int64_t vectors = (vocab - head) / kWidth;
@@ -99,7 +124,66 @@ __global__ void __launch_bounds__(kRowThreads) lse_kernel(const T* logits, float
   for (int64_t v = head + vectors * kWidth + threadIdx.x; v < vocab; v += kRowThreads)
     lse_add<1>(acc, {vec::load(x, v)});
   const Lse row = block_lse(acc);
-  if (threadIdx.x == 0) lse[blockIdx.x] = (row.m == INFINITY || row.m == -INFINITY) ? NAN : row.m + logf(row.s);
+  if (threadIdx.x == 0) {
+    const float value = (row.m == INFINITY || row.m == -INFINITY) ? NAN : row.m + logf(row.s);
+    lse[blockIdx.x] = value;
+    write_term(x, targets, blockIdx.x, value, vocab, ignore_index, terms);
+  }
+}
+
+// Reduces v over the blockDim.x threads of a row group; every thread of the group gets the
+// same bits. Up to a warp: xor butterfly; several warps (the group is then the whole block):
+// warp results through `shared`, combined in warp order.
+template <typename Op>
+__device__ __forceinline__ float group_reduce(float v, float* shared, Op op) {
+  const int width = blockDim.x < 32 ? blockDim.x : 32;
+  for (int offset = width / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  if (blockDim.x <= 32) return v;
+  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = shared[0];
+  for (int w = 1; w < int(blockDim.x >> 5); ++w) r = op(r, shared[w]);
+  return r;
+}
+
+// Rows of vocab % 8 == 0 logits, 16-byte aligned, held in registers: NV vectors per thread
+// of a group of blockDim.x threads (a warp's loads contiguous); blockDim.y rows per block.
+// The max first, then the sum of exp(x - max) from the registers: one read of the row, and
+// a more accurate sum than the online rescaling. -inf entries (and the padding of a partial
+// group, set to -inf) add exp(-inf) = 0; a NaN makes the sum NaN; a max of +-inf gives NaN.
+template <typename T, typename Tg, int NV>
+__global__ void __launch_bounds__(kLseMaxGroup)
+    lse_rows_kernel(const T* logits, const Tg* targets, float* lse, double* terms, int64_t rows, int64_t vocab,
+                    int64_t ld, int64_t ignore_index) {
+  __shared__ float red[2][32];
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool live = row < rows;
+  const T* x = logits + (live ? row : 0) * ld;
+  float v[NV][kWidth];
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * kWidth;
+    if (live && c < vocab) {
+      vec::load8(x + c, v[j]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kWidth; ++k) v[j][k] = -INFINITY;
+    }
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k) m = fmaxf(m, v[j][k]);
+  }
+  m = group_reduce(m, red[0], [](float a, float b) { return fmaxf(a, b); });
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k) s += expf(v[j][k] - m);
+  s = group_reduce(s, red[1], [](float a, float b) { return a + b; });
+  if (!live || threadIdx.x != 0) return;
+  const float value = (m == INFINITY || m == -INFINITY) ? NAN : m + logf(s);
+  lse[row] = value;
+  write_term(x, targets, row, value, vocab, ignore_index, terms);
 }
 
 // ---- Fixed-order block sums ---------------------------------------------------------------
@@ -118,24 +202,36 @@ __device__ V block_sum(V v) {
   return result;
 }
 
-// loss = sum over valid rows of (lse[n] - logits[n, target]) / n_valid, in double; NaN when
-// a target is bad. One block of kReduceThreads; thread i takes rows i, i + 1024, ...
-template <typename T, typename Tg>
+// loss = sum over valid rows of terms[n] (= lse[n] - logits[n, target]) / n_valid, in double;
+// NaN when a target is bad. One block of kReduceThreads; thread i takes rows i, i + 1024, ...
+// in that order, loading kUnroll of them before adding (the loads overlap; the order of the
+// additions does not change).
+template <typename Tg>
 __global__ void __launch_bounds__(kReduceThreads)
-    loss_kernel(const T* logits, const Tg* targets, const float* lse, void* loss, bool loss_f64, int64_t rows,
-                int64_t vocab, int64_t ld, int64_t ignore_index, IndexErrorSink sink) {
+    loss_kernel(const Tg* targets, const double* terms, void* loss, bool loss_f64, int64_t rows, int64_t vocab,
+                int64_t ignore_index, IndexErrorSink sink) {
   double sum = 0;
   int64_t valid = 0, bad = 0;
-  for (int64_t n = threadIdx.x; n < rows; n += kReduceThreads) {
-    const int64_t t = static_cast<int64_t>(targets[n]);
-    if (t == ignore_index) continue;
-    if (t < 0 || t >= vocab) {
-      record_bad_index(sink, t, n);
-      ++bad;
-      continue;
+  for (int64_t n0 = threadIdx.x; n0 < rows; n0 += int64_t(kUnroll) * kReduceThreads) {
+    int64_t t[kUnroll];
+    double term[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t n = n0 + int64_t(u) * kReduceThreads;
+      t[u] = n < rows ? static_cast<int64_t>(targets[n]) : ignore_index;
+      term[u] = n < rows ? terms[n] : 0.0;
     }
-    ++valid;
-    sum += static_cast<double>(lse[n]) - static_cast<double>(vec::load(logits, n * ld + t));
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (t[u] == ignore_index) continue;
+      if (t[u] < 0 || t[u] >= vocab) {
+        record_bad_index(sink, t[u], n0 + int64_t(u) * kReduceThreads);
+        ++bad;
+        continue;
+      }
+      ++valid;
+      sum += term[u];
+    }
   }
   sum = block_sum(sum);
   valid = block_sum(valid);
@@ -151,8 +247,16 @@ template <typename Tg>
 __global__ void __launch_bounds__(kReduceThreads)
     grad_scale_kernel(const Tg* targets, int64_t rows, int64_t ignore_index, float d_loss, float* scale) {
   int64_t valid = 0;
-  for (int64_t n = threadIdx.x; n < rows; n += kReduceThreads)
-    valid += static_cast<int64_t>(targets[n]) != ignore_index;
+  for (int64_t n0 = threadIdx.x; n0 < rows; n0 += int64_t(kUnroll) * kReduceThreads) {
+    int64_t t[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t n = n0 + int64_t(u) * kReduceThreads;
+      t[u] = n < rows ? static_cast<int64_t>(targets[n]) : ignore_index;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) valid += t[u] != ignore_index;
+  }
   valid = block_sum(valid);
   if (threadIdx.x == 0)
     *scale = valid > 0 ? static_cast<float>(static_cast<double>(d_loss) / static_cast<double>(valid)) : 0.0f;
@@ -172,13 +276,21 @@ __device__ __forceinline__ void map_row(const In* x, Out* y, int64_t n, F f) {
     return;
   }
   for (int64_t v = threadIdx.x; v < head; v += blockDim.x) vec::store(y, v, f(v, vec::load(x, v)));
-  for (int64_t u = threadIdx.x; u < vectors; u += blockDim.x) {
-    const int64_t v0 = head + u * kWidth;
-    float w[kWidth];
-    vec::load8(x + v0, w);
+  // Two vectors per thread per step, both loaded before either is stored.
+  for (int64_t u = threadIdx.x; u < vectors; u += 2 * int64_t(blockDim.x)) {
+    const int64_t u1 = u + blockDim.x;
+    const int64_t v0 = head + u * kWidth, v1 = head + u1 * kWidth;
+    float w0[kWidth], w1[kWidth];
+    vec::load8(x + v0, w0);
+    if (u1 < vectors) vec::load8(x + v1, w1);
 #pragma unroll
-    for (int k = 0; k < kWidth; ++k) w[k] = f(v0 + k, w[k]);
-    vec::store8(y + v0, w);
+    for (int k = 0; k < kWidth; ++k) w0[k] = f(v0 + k, w0[k]);
+    vec::store8(y + v0, w0);
+    if (u1 < vectors) {
+#pragma unroll
+      for (int k = 0; k < kWidth; ++k) w1[k] = f(v1 + k, w1[k]);
+      vec::store8(y + v1, w1);
+    }
   }
   for (int64_t v = head + vectors * kWidth + threadIdx.x; v < n; v += blockDim.x)
     vec::store(y, v, f(v, vec::load(x, v)));
@@ -197,7 +309,7 @@ __device__ __forceinline__ void fill_row(Out* y, int64_t n, float value) {
 }
 
 template <typename T, typename Out, typename Tg>
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(kGradThreads)
     grad_kernel(const T* logits, const Tg* targets, const float* lse, const float* scale_ptr, Out* d_logits,
                 int64_t vocab, int64_t ld, int64_t ld_out, int64_t ignore_index, IndexErrorSink sink) {
   const int64_t row = blockIdx.x;
@@ -239,17 +351,42 @@ void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& tar
   auto s = static_cast<cudaStream_t>(stream);
   const IndexErrorSink sink =
       index_error_sink(logits.device().index, IndexOp::CrossEntropyForward, vocab, ignore_index);
+  // terms[n] = lse[n] - logits[n, target]: written beside lse, summed by loss_kernel.
+  Tensor terms = Tensor::empty({std::max<int64_t>(rows, 1)}, DType::F64, logits.device());
+  const int64_t ld = logits.stride(0);
   vec::dispatch(logits.dtype(), "cross_entropy_forward", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (rows > 0)
-      lse_kernel<T><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(logits.data<T>(), lse.data<float>(), vocab,
-                                                                         logits.stride(0));
+    const T* x = logits.data<T>();
     dispatch_targets(targets, [&](auto* ttag) {
       using Tg = std::remove_pointer_t<decltype(ttag)>;
+      const Tg* tg = targets.data<Tg>();
+      if (rows > 0) {
+        // Registers when the rows are 16-byte aligned and short enough; else the looping kernel.
+        const int64_t units = vocab % kWidth == 0 && ld % kWidth == 0 && vec::aligned16(x) ? vocab / kWidth : 0;
+        int tpr = 1;
+        while (tpr < (units + 3) / 4 && tpr < kLseMaxGroup) tpr *= 2;
+        int nv = 1;
+        while (nv < (units + tpr - 1) / tpr) nv *= 2;
+        if (units > 0 && nv <= kLseMaxVectors) {
+          const int rpb = tpr > 32 ? 1 : 128 / tpr;
+          const unsigned blocks = static_cast<unsigned>((rows + rpb - 1) / rpb);
+          const dim3 block(tpr, rpb);
+          auto launch = [&](auto kernel) {
+            kernel<<<blocks, block, 0, s>>>(x, tg, lse.data<float>(), terms.data<double>(), rows, vocab, ld,
+                                            ignore_index);
+          };
+          if (nv == 1) launch(lse_rows_kernel<T, Tg, 1>);
+          else if (nv == 2) launch(lse_rows_kernel<T, Tg, 2>);
+          else launch(lse_rows_kernel<T, Tg, 4>);
+        } else {
+          lse_kernel<T, Tg><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(x, tg, lse.data<float>(),
+                                                                                terms.data<double>(), vocab, ld,
+                                                                                ignore_index);
+        }
+      }
       // Also for rows = 0: the loss is then written as 0.
-      loss_kernel<T, Tg><<<1, kReduceThreads, 0, s>>>(logits.data<T>(), targets.data<Tg>(), lse.data<float>(),
-                                                      loss.raw_data(), loss.dtype() == DType::F64, rows, vocab,
-                                                      logits.stride(0), ignore_index, sink);
+      loss_kernel<Tg><<<1, kReduceThreads, 0, s>>>(tg, terms.data<double>(), loss.raw_data(),
+                                                   loss.dtype() == DType::F64, rows, vocab, ignore_index, sink);
     });
   });
   TESSERA_CUDA_CHECK_LAUNCH();
@@ -276,7 +413,7 @@ void cross_entropy_backward(void* stream, const Tensor& logits, const Tensor& ta
       using T = std::remove_pointer_t<decltype(tag)>;
       vec::dispatch(d_logits.dtype(), "cross_entropy_backward", [&](auto* otag) {
         using Out = std::remove_pointer_t<decltype(otag)>;
-        grad_kernel<T, Out, Tg><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(
+        grad_kernel<T, Out, Tg><<<static_cast<unsigned>(rows), kGradThreads, 0, s>>>(
             logits.data<T>(), targets.data<Tg>(), lse.data<float>(), scale.data<float>(), d_logits.data<Out>(), vocab,
             logits.stride(0), d_logits.stride(0), ignore_index, sink);
       });

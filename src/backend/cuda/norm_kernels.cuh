@@ -11,15 +11,29 @@
 //
 // Kernels: a row is handled by a group of threads (1 to 512, a power of two) and, when it
 // fits, kept in registers, so x (and dy) are read from memory once; 16-byte loads when C and
-// every pointer allow it, scalar otherwise. Rows too wide for registers take a looping path
-// that re-reads them (mostly from L2). Per-row sums are taken in double, as the reference
-// does: a degenerate row (C = 1, where RMSNorm's dx = rstd*g*(1 - xhat^2) cancels) then
-// gets the reference's rstd bit for bit, and the per-element float math is written with
-// explicit round-to-nearest intrinsics so that nvcc does not contract it into FMAs the
-// reference does not use. (Double FMAs appear only where the product is of two floats: it is
-// exact in double, so the fused form rounds exactly as the reference's multiply-then-add.)
-// The cost is a few FP64 operations and float-to-double conversions per element, under the
-// memory time on an H200.
+// every pointer allow it, scalar otherwise. Groups loop over rows and load the next row (as
+// raw words) before reducing the current one, so two rows of loads are in flight per group:
+// with one, every row's loads waited behind its reductions and the kernels ran at half the
+// copy bandwidth. Rows too wide for registers take a looping path that re-reads them
+// (mostly from L2). Per-row sums are taken in double, as the reference does: a degenerate
+// row (C = 1, where RMSNorm's dx = rstd*g*(1 - xhat^2) cancels) then gets the reference's
+// rstd bit for bit, and the per-element float math is written with explicit round-to-nearest
+// intrinsics so that nvcc does not contract it into FMAs the reference does not use. (Double
+// FMAs appear only where the product is of two floats: it is exact in double, so the fused
+// form rounds exactly as the reference's multiply-then-add.) F32 rows add every element in
+// double. BF16 rows of 16-byte vectors add each vector's eight terms in float first and
+// convert once per vector (a BF16 value and its square are exact in float; the sum of eight
+// rounds by ~1e-7 relative, far below the float rounding of the statistic): an SM converts
+// float to double at 16 per clock, and one conversion per element took as long as the
+// memory traffic.
+//
+// Measured (bench_bandwidth, H200, 16384 x 4096 BF16, % of cudaMemcpy D2D in the same run,
+// before -> after): layernorm fwd 55 -> 59, bwd 47 -> 68; rmsnorm fwd 72 -> 84,
+// bwd 60 -> 83; layernorm_backward_add 54 -> 65, rmsnorm_backward_add 65 -> 72;
+// add_layernorm / add_rmsnorm fwd 77 / 94 before (see add_norm.cu). Below the 85% goal:
+// the LayerNorm kernels (two row reductions forward, FP64 shuffles on the critical path) and
+// the backward (128 registers a thread for the row plus the dgamma/dbeta partials: 16 warps
+// per SM), see bench/RESULTS.md.
 //
 // Fused residual add (kAdd): forward forms sum = x + residual in float, rounds it to the
 // storage dtype exactly as the add kernel does, stores it and normalizes the ROUNDED value,
@@ -128,6 +142,33 @@ __device__ __forceinline__ void store_vec(T* p, const float* v) {
   }
 }
 
+// N consecutive elements kept as raw 32-bit words (a BF16 pair per word; a lone BF16 in the
+// low half), so a load can be issued a row ahead and converted only when the row is used.
+template <typename T, int N>
+constexpr int kRawWords = (N * int(sizeof(T)) + 3) / 4;
+
+template <typename T, int N>
+__device__ __forceinline__ void load_raw(const T* p, uint32_t* w) {
+  if constexpr (N * sizeof(T) >= 4) load_words<N * int(sizeof(T))>(p, w);
+  else w[0] = *p;  // one BF16
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void unpack_raw(const uint32_t* w, float* v) {
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = __uint_as_float(w[k]);
+  } else if constexpr (N == 1) {
+    v[0] = __uint_as_float(w[0] << 16);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+      v[2 * k] = __uint_as_float(w[k] << 16);
+      v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  }
+}
+
 // A [C] parameter (or its gradient) whose dtype is F32 or BF16, chosen at run time.
 struct Param {
   void* ptr;  // null: undefined tensor
@@ -178,85 +219,152 @@ __device__ __forceinline__ void group_sum(double (&v)[K], double (*shared)[32]) 
 // are contiguous. Rows are [rows, cols]; a group whose row is past the end still joins the
 // shuffles (they need the whole warp) but loads and stores nothing.
 
+// Group g = blockIdx.x * blockDim.y + threadIdx.y normalizes rows g, g + G, g + 2G, ...
+// (G = groups in the grid, about one wave: the launcher sizes the grid). The next row's x
+// (and residual) is loaded as raw words before the current row is reduced and written, so a
+// group keeps two rows of loads in flight; every group steps the same number of times (the
+// shuffles of narrow groups sharing a warp need the whole warp).
 // kAdd: the row normalized is sum = x + residual, rounded to T and stored (residual and sum
 // are null otherwise).
 template <typename T, int VEC, int NV, bool kLayer, bool kAdd>
 __global__ void __launch_bounds__(kMaxGroupThreads)
     norm_forward_kernel(const T* x, const T* residual, T* sum, Param gamma, Param beta, T* y, float* mean, float* rstd,
                         int64_t rows, int64_t cols, double eps) {
-  __shared__ double red[2][1][32];
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool live = row < rows;
-  const int64_t base = (live ? row : 0) * cols;
-  float v[NV][VEC];
-  double acc[1] = {0};
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
-    if (live && c < cols) {
-      load_vec<T, VEC>(x + base + c, v[j]);
-      if constexpr (kAdd) {
-        float r[VEC];
-        load_vec<T, VEC>(residual + base + c, r);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) v[j][k] = round_to_storage<T>(__fadd_rn(v[j][k], r[k]));
-        store_vec<T, VEC>(sum + base + c, v[j]);  // after this thread's reads of the same elements
-      }
-#pragma unroll
-      for (int k = 0; k < VEC; ++k)
-        acc[0] = kLayer ? __dadd_rn(acc[0], double(v[j][k])) : fma(double(v[j][k]), double(v[j][k]), acc[0]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) v[j][k] = 0.0f;
-    }
-  }
-  group_sum(acc, red[0]);
-  double mu = 0, inv_std;
-  if constexpr (kLayer) {
-    mu = acc[0] / double(cols);
-    double squares[1] = {0};  // second pass over the registers: no cancellation
+  // Two buffers per reduction, alternating by step: a step's reduction reuses the buffer of
+  // two steps back, which every thread has left (it passed the barrier of the step between).
+  __shared__ double red[2][2][1][32];
+  constexpr int W = kRawWords<T, VEC>;
+  const int64_t groups = int64_t(gridDim.x) * blockDim.y;
+  const int64_t group = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64_t steps = (rows + groups - 1) / groups;
+  uint32_t raw_x[NV][W] = {}, raw_r[kAdd ? NV : 1][W] = {};
+  auto fetch = [&](int64_t row) {
+    if (row >= rows) return;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
-      if (live && c < cols)
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const double d = __dsub_rn(double(v[j][k]), mu);
-          squares[0] = __dadd_rn(squares[0], __dmul_rn(d, d));
-        }
+      if (c < cols) {
+        load_raw<T, VEC>(x + row * cols + c, raw_x[j]);
+        if constexpr (kAdd) load_raw<T, VEC>(residual + row * cols + c, raw_r[j]);
+      }
     }
-    group_sum(squares, red[1]);
-    inv_std = 1.0 / sqrt(squares[0] / double(cols) + eps);
-  } else {
-    inv_std = 1.0 / sqrt(acc[0] / double(cols) + eps);
-  }
-  // y is computed from the rounded statistics, as the reference does.
-  const float mu_t = float(mu), rstd_t = float(inv_std);
-  if (!live) return;
-  if (threadIdx.x == 0) {
-    if (kLayer) mean[row] = mu_t;
-    rstd[row] = rstd_t;
-  }
+  };
+  // The widest rows (8 vectors a thread) load at the top of their step instead: their
+  // prefetched words would not fit in registers next to the row.
+  constexpr bool kPrefetch = NV * VEC * int(sizeof(T)) <= 64;
+  if (kPrefetch) fetch(group);
+
+#pragma unroll 1
+  for (int64_t step = 0; step < steps; ++step) {
+    const int64_t row = group + step * groups;
+    const bool live = row < rows;
+    const int64_t base = (live ? row : 0) * cols;
+    float v[NV][VEC];
+    double acc[1] = {0};
 #pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
-    if (c >= cols) continue;
-    float g[VEC], b[VEC], out[VEC];
-    load_param<VEC>(gamma, c, g);
-    if (kLayer && beta.ptr) load_param<VEC>(beta, c, b);
-    else
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+      if (live && c < cols) {
+        if constexpr (!kPrefetch) {  // loaded here, one unit at a time
+          load_raw<T, VEC>(x + base + c, raw_x[j]);
+          if constexpr (kAdd) load_raw<T, VEC>(residual + base + c, raw_r[j]);
+        }
+        unpack_raw<T, VEC>(raw_x[j], v[j]);
+        if constexpr (kAdd) {
+          float r[VEC];
+          unpack_raw<T, VEC>(raw_r[j], r);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
+          for (int k = 0; k < VEC; ++k) v[j][k] = round_to_storage<T>(__fadd_rn(v[j][k], r[k]));
+          store_vec<T, VEC>(sum + base + c, v[j]);  // after this thread's reads of the same elements
+        }
+      } else {
 #pragma unroll
-    for (int k = 0; k < VEC; ++k)
-      out[k] = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[j][k], mu_t), rstd_t), g[k]), b[k])
-                      : __fmul_rn(__fmul_rn(v[j][k], rstd_t), g[k]);
-    store_vec<T, VEC>(y + base + c, out);
+        for (int k = 0; k < VEC; ++k) v[j][k] = 0.0f;
+      }
+    }
+    if (kPrefetch) fetch(row + groups);
+    // F32 storage adds each element in double, as the reference. BF16 storage first adds a
+    // unit's VEC terms in float (a BF16 value and its square are exact in float; their sum of
+    // eight rounds by ~1e-7, far below the float rounding of the final statistic) and converts
+    // once per unit: the float-to-double conversions, 16 per clock on an SM, otherwise take
+    // as long as the memory traffic. With VEC = 1 (odd widths) both are the reference's sum.
+    constexpr bool kUnitPartials = !std::is_same_v<T, float> && VEC > 1;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      if constexpr (kUnitPartials) {
+        float p = 0.0f;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) p = kLayer ? __fadd_rn(p, v[j][k]) : fmaf(v[j][k], v[j][k], p);
+        acc[0] = __dadd_rn(acc[0], double(p));
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          acc[0] = kLayer ? __dadd_rn(acc[0], double(v[j][k])) : fma(double(v[j][k]), double(v[j][k]), acc[0]);
+      }
+    }
+    group_sum(acc, red[step & 1][0]);
+    double mu = 0, inv_std;
+    if constexpr (kLayer) {
+      mu = acc[0] / double(cols);
+      const float mu_f = float(mu);
+      double squares[1] = {0};  // second pass over the registers: no cancellation
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+        if (live && c < cols) {
+          if constexpr (!kUnitPartials) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+              const double d = __dsub_rn(double(v[j][k]), mu);
+              squares[0] = __dadd_rn(squares[0], __dmul_rn(d, d));
+            }
+          } else {  // BF16: centred on the float mean, squared and summed in float per unit
+            float p = 0.0f;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+              const float d = __fsub_rn(v[j][k], mu_f);
+              p = fmaf(d, d, p);
+            }
+            squares[0] = __dadd_rn(squares[0], double(p));
+          }
+        }
+      }
+      group_sum(squares, red[step & 1][1]);
+      inv_std = 1.0 / sqrt(squares[0] / double(cols) + eps);
+    } else {
+      inv_std = 1.0 / sqrt(acc[0] / double(cols) + eps);
+    }
+    // y is computed from the rounded statistics, as the reference does.
+    const float mu_t = float(mu), rstd_t = float(inv_std);
+    if (!live) continue;
+    if (threadIdx.x == 0) {
+      if (kLayer) mean[row] = mu_t;
+      rstd[row] = rstd_t;
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+      if (c >= cols) continue;
+      float g[VEC], b[VEC], out[VEC];
+      load_param<VEC>(gamma, c, g);
+      if (kLayer && beta.ptr) load_param<VEC>(beta, c, b);
+      else
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k)
+        out[k] = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[j][k], mu_t), rstd_t), g[k]), b[k])
+                        : __fmul_rn(__fmul_rn(v[j][k], rstd_t), g[k]);
+      store_vec<T, VEC>(y + base + c, out);
+    }
   }
 }
 
 // Worker w = blockIdx.x * blockDim.y + threadIdx.y takes rows [rows*w/W, rows*(w+1)/W); all
 // workers step the same number of times so that narrow groups sharing a warp stay in step.
+// The next row's x, dy and statistics are loaded (as raw words) before the current row is
+// reduced and written, so each worker keeps two rows of loads in flight: with one, the loads
+// stall behind every row's reduction and the GPU runs well below its bandwidth.
 // dx is written after every read of its row, so dx may be the same memory as dy or x.
 // kAdd: dx = (the norm's dx rounded to T) + d_residual (null otherwise), read just before the
 // store by the same thread, so dx may also be d_residual.
@@ -266,6 +374,7 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
                          const T* d_residual, T* dx, float* dgamma_part, float* dbeta_part, int64_t rows, int64_t cols,
                          int64_t workers) {
   __shared__ double red[2][2][32];
+  constexpr int W = kRawWords<T, VEC>;
   const int64_t worker = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool live_worker = worker < workers;
   const int64_t first = live_worker ? rows * worker / workers : 0;
@@ -281,32 +390,68 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) acc_g[j][k] = acc_b[j][k] = 0.0f;
 
+  // The prefetched row: raw x and dy words, and its statistics.
+  uint32_t raw_x[NV][W] = {}, raw_dy[NV][W] = {};
+  float next_mu = 0.0f, next_r = 0.0f;
+  auto fetch = [&](int64_t row) {
+    if (row >= last) return;
+    const int64_t base = row * cols;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+      if (c < cols) {
+        load_raw<T, VEC>(x + base + c, raw_x[j]);
+        load_raw<T, VEC>(dy + base + c, raw_dy[j]);
+      }
+    }
+    if (kLayer) next_mu = mean[row];
+    next_r = rstd[row];
+  };
+  fetch(first);
+
 #pragma unroll 1
   for (int64_t step = 0; step < steps; ++step) {
     const int64_t row = first + step;
     const bool live = row < last;
     const int64_t base = (live ? row : 0) * cols;
-    const float mu = kLayer && live ? mean[row] : 0.0f, r = live ? rstd[row] : 0.0f;
-    float xhat[NV][VEC], gd[NV][VEC];  // xhat and g = dy * gamma per element
-    double sums[2] = {0, 0};           // sum(g), sum(g * xhat)
+    const float mu = kLayer && live ? next_mu : 0.0f, r = live ? next_r : 0.0f;
+    float xhat[NV][VEC], d[NV][VEC];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      unpack_raw<T, VEC>(raw_x[j], xhat[j]);
+      unpack_raw<T, VEC>(raw_dy[j], d[j]);
+    }
+    fetch(row + 1);
+    float gd[NV][VEC];       // g = dy * gamma per element; xhat overwrites x
+    double sums[2] = {0, 0};  // sum(g), sum(g * xhat)
+    // F32 adds every term in double, as the reference; BF16 adds a unit's terms in float
+    // first and converts once per unit (as the forward does).
+    constexpr bool kUnitPartials = !std::is_same_v<T, float> && VEC > 1;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
       if (live && c < cols) {
-        float d[VEC], g[VEC];
-        load_vec<T, VEC>(x + base + c, xhat[j]);
-        load_vec<T, VEC>(dy + base + c, d);
+        float g[VEC], p0 = 0.0f, p1 = 0.0f;
         load_param<VEC>(gamma, c, g);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           const float xh = kLayer ? __fmul_rn(__fsub_rn(xhat[j][k], mu), r) : __fmul_rn(xhat[j][k], r);
-          const float gk = __fmul_rn(d[k], g[k]);
-          if (kLayer) sums[0] = __dadd_rn(sums[0], double(gk));
-          sums[1] = fma(double(gk), double(xh), sums[1]);
-          acc_g[j][k] = fmaf(d[k], xh, acc_g[j][k]);
-          acc_b[j][k] += d[k];
+          const float gk = __fmul_rn(d[j][k], g[k]);
+          if constexpr (kUnitPartials) {
+            if (kLayer) p0 += gk;
+            p1 = fmaf(gk, xh, p1);
+          } else {
+            if (kLayer) sums[0] = __dadd_rn(sums[0], double(gk));
+            sums[1] = fma(double(gk), double(xh), sums[1]);
+          }
+          acc_g[j][k] = fmaf(d[j][k], xh, acc_g[j][k]);
+          acc_b[j][k] += d[j][k];
           xhat[j][k] = xh;
           gd[j][k] = gk;
+        }
+        if constexpr (kUnitPartials) {
+          if (kLayer) sums[0] = __dadd_rn(sums[0], double(p0));
+          sums[1] = __dadd_rn(sums[1], double(p1));
         }
       } else {
 #pragma unroll
@@ -460,16 +605,32 @@ __global__ void norm_column_partials_kernel(const T* dy, const T* x, const float
   if (dbeta_part) dbeta_part[worker * cols + c] = acc_b;
 }
 
-// out[c] += sum over workers of part[w][c]: 8 lanes per column each add a strided subset in
-// order, then one lane adds the 8 in order (fixed order: deterministic). Like the reference,
-// the sum is in double, added to the old value in double and rounded once to float.
-constexpr int kFinalizeLanes = 8;
-__global__ void column_finalize_kernel(const float* part, int64_t workers, int64_t cols, Param out) {
+// out[c] += sum over workers of part[w][c], for the parameter blockIdx.y (0: dgamma from
+// part, 1: dbeta from part + workers * cols): kFinalizeLanes lanes per column each add a
+// strided subset in order (four loads in flight), then one lane adds the lanes' sums in
+// order (a fixed order: deterministic). Like the reference, the sum is in double, added to
+// the old value in double and rounded once to float.
+constexpr int kFinalizeLanes = 16;
+__global__ void __launch_bounds__(32 * kFinalizeLanes)
+    column_finalize_kernel(const float* part, int64_t workers, int64_t cols, Param out0, Param out1) {
   __shared__ double tile[kFinalizeLanes][33];
+  const Param out = blockIdx.y == 0 ? out0 : out1;
+  const float* p = part + int64_t(blockIdx.y) * workers * cols;
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
   double s = 0;
-  if (c < cols)
-    for (int64_t w = threadIdx.y; w < workers; w += kFinalizeLanes) s += double(part[w * cols + c]);
+  if (c < cols) {
+    constexpr int L = kFinalizeLanes;
+    int64_t w = threadIdx.y;
+    for (; w + 3 * L < workers; w += 4 * L) {
+      const float a = p[w * cols + c], b = p[(w + L) * cols + c], e = p[(w + 2 * L) * cols + c],
+                  f = p[(w + 3 * L) * cols + c];
+      s += double(a);
+      s += double(b);
+      s += double(e);
+      s += double(f);
+    }
+    for (; w < workers; w += L) s += double(p[w * cols + c]);
+  }
   tile[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y != 0 || c >= cols) return;

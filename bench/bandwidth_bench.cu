@@ -1,0 +1,520 @@
+// Bandwidth benchmark of the memory-bound kernels on the GPU: norms (plain and with the
+// residual add fused), elementwise ops, activations, casts, softmax, cross-entropy and FP8
+// per-tensor quantization, each through its op front end with a CUDA Context, against the
+// device-to-device cudaMemcpyAsync of the same shape measured in the same run (the ceiling)
+// and tessera's own copy kernel.
+//
+// Shapes: rows x cols = 16384 x 4096 BF16 (a 4096-wide model's activations at 16K tokens)
+// and 16384 x 768 (GPT-2's width; 25 MB per tensor, so part of it stays in the 50 MB L2 from
+// one run to the next: those figures, the memcpy included, run above HBM bandwidth).
+//
+// Bytes: every tensor an op must read or write is counted once (activations, weights and
+// biases, saved statistics, targets; a parameter gradient that accumulates counts as read
+// and written). Scratch traffic a kernel chooses to have (the partial sums of the norm
+// backward's parameter gradients, re-reads) is not counted: the figure is the bandwidth of
+// the useful traffic. GB/s = bytes / median time; "% copy" divides by the cudaMemcpy
+// figure of the same shape (which itself moves 2 x the tensor: read + write).
+//
+// Timing: CUDA events around one call, 5 warm-up calls, median of `runs` (default 30).
+// Correctness in the same run: outputs are poisoned (all bits set: NaN), the op runs once
+// more, and 96 sample rows (first, middle and last 32) are compared with the CPU reference
+// run on the same sample rows (relative L2 error < 1e-2 for BF16 outputs, < 1e-5 for F32
+// statistics, bytes equal for FP8 codes); parameter gradients, the loss and amax take the
+// CPU reference over the whole tensor. NaN never passes.
+//
+// Usage: bench_bandwidth [runs] [filter]   filter: run only ops whose name contains it
+//                                          (for profiling one kernel with ncu, runs = 1)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/cuda/copy.h"
+#include "tessera/core/allocator.h"
+#include "tessera/core/random.h"
+#include "tessera/ops/activation.h"
+#include "tessera/ops/elementwise.h"
+#include "tessera/ops/loss.h"
+#include "tessera/ops/norm.h"
+#include "tessera/ops/quantize.h"
+#include "tessera/ops/softmax.h"
+
+using namespace tessera;
+
+namespace {
+
+#define CHECK_CUDA(call)                                                                            \
+  do {                                                                                              \
+    cudaError_t e_ = (call);                                                                        \
+    if (e_ != cudaSuccess) {                                                                        \
+      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                                 \
+    }                                                                                               \
+  } while (0)
+
+int g_runs = 30;
+const char* g_filter = nullptr;
+const Device kGpu = Device::cuda();
+const Device kCpu = Device::cpu();
+constexpr float kEps = 1e-5f;
+
+double median_ms(const std::function<void()>& fn, int runs, int warmup = 5) {
+  for (int i = 0; i < warmup; ++i) fn();
+  CHECK_CUDA(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<double> ms;
+  for (int i = 0; i < runs; ++i) {
+    CHECK_CUDA(cudaEventRecord(start));
+    fn();
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// ---- Checks --------------------------------------------------------------------------------
+
+struct Check {
+  bool ok = true;
+  std::string worst;  // the failing comparisons, or the largest error
+  double max_err = 0;
+  void expect(double err, double tol, const std::string& what) {
+    if (!(err <= tol)) {
+      ok = false;
+      worst += (worst.empty() ? "" : "; ") + what + " err " + std::to_string(err);
+    }
+    if (std::isnan(err)) max_err = INFINITY;
+    else max_err = std::max(max_err, err);
+  }
+  std::string text() const {
+    if (!ok) return "FAIL (" + worst + ")";
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "PASS (%.1e)", max_err);
+    return buf;
+  }
+};
+
+double rel_error(const Tensor& got_any, const Tensor& want_any) {
+  const std::vector<double> g = got_any.to(kCpu).to_doubles(), w = want_any.to(kCpu).to_doubles();
+  if (g.size() != w.size()) return INFINITY;
+  double diff = 0, ref = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (std::isnan(g[i]) || std::isnan(w[i])) return INFINITY;  // NaN never passes
+    diff += (g[i] - w[i]) * (g[i] - w[i]);
+    ref += w[i] * w[i];
+  }
+  return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
+}
+
+// Fraction of differing bytes (0 when identical).
+double byte_mismatch(const Tensor& got_any, const Tensor& want_any) {
+  const Tensor g = got_any.to(kCpu), w = want_any.to(kCpu);
+  if (g.nbytes() != w.nbytes()) return 1;
+  const auto* a = static_cast<const uint8_t*>(g.raw_data());
+  const auto* b = static_cast<const uint8_t*>(w.raw_data());
+  size_t bad = 0;
+  for (size_t i = 0; i < g.nbytes(); ++i) bad += a[i] != b[i];
+  return double(bad) / double(std::max<size_t>(1, g.nbytes()));
+}
+
+// The sampled rows: the first, middle and last 32 (fewer when rows is small).
+std::vector<std::pair<int64_t, int64_t>> sample_ranges(int64_t rows) {
+  const int64_t k = std::min<int64_t>(32, rows / 3);
+  if (k == 0) return {{0, rows}};
+  return {{0, k}, {rows / 2, rows / 2 + k}, {rows - k, rows}};
+}
+
+// The sample rows of a [rows, ...] tensor (any device), as one contiguous host tensor.
+Tensor sample(const Tensor& t) {
+  const auto ranges = sample_ranges(t.size(0));
+  int64_t n = 0;
+  for (auto [a, b] : ranges) n += b - a;
+  Shape shape = t.shape();
+  shape[0] = n;
+  Tensor h = Tensor::empty(shape, t.dtype(), kCpu);
+  int64_t o = 0;
+  for (auto [a, b] : ranges) {
+    Tensor dst = h.slice(0, o, o + (b - a));
+    dst.copy_from(t.slice(0, a, b));
+    o += b - a;
+  }
+  return h;
+}
+
+void poison(Tensor& t) { CHECK_CUDA(cudaMemsetAsync(t.raw_data(), 0xff, t.nbytes(), nullptr)); }
+
+Tensor cpu_empty_like(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype(), kCpu); }
+
+// ---- Results -------------------------------------------------------------------------------
+
+struct Result {
+  std::string name;
+  double bytes, ms;
+  std::string check;
+};
+
+struct Table {
+  int64_t rows, cols;
+  double copy_gbs = 0;
+  std::vector<Result> results;
+
+  bool wanted(const std::string& name) const { return !g_filter || name.find(g_filter) != std::string::npos; }
+
+  void add(const std::string& name, double bytes, double ms, const std::string& check) {
+    const double gbs = bytes / (ms * 1e-3) * 1e-9;
+    if (name == "cudaMemcpyAsync D2D") copy_gbs = gbs;
+    results.push_back({name, bytes, ms, check});
+    std::printf("  %-34s %9.1f MB %9.1f us %8.1f GB/s %6.1f%%  %s\n", name.c_str(), bytes * 1e-6, ms * 1e3, gbs,
+                copy_gbs > 0 ? 100.0 * gbs / copy_gbs : 0.0, check.c_str());
+    std::fflush(stdout);
+  }
+
+  void print() const {
+    std::printf("\n### tessera, %lld x %lld BF16 (median of %d runs; %% of the cudaMemcpy D2D figure)\n\n",
+                (long long)rows, (long long)cols, g_runs);
+    std::printf("| op | MB moved | us | GB/s | %% of memcpy | check |\n| --- | ---: | ---: | ---: | ---: | --- |\n");
+    for (const Result& r : results) {
+      const double gbs = r.bytes / (r.ms * 1e-3) * 1e-9;
+      std::printf("| %s | %.1f | %.1f | %.0f | %.1f%% | %s |\n", r.name.c_str(), r.bytes * 1e-6, r.ms * 1e3, gbs,
+                  copy_gbs > 0 ? 100.0 * gbs / copy_gbs : 0.0, r.check.c_str());
+    }
+    std::fflush(stdout);
+  }
+};
+
+Tensor randn(const Shape& shape, DType t, uint64_t seed, float std = 1.0f) {
+  Context ctx = Context::cuda();
+  Tensor x = Tensor::empty(shape, t, kGpu);
+  fill_normal(ctx, x, 0.0f, std, seed);
+  return x;
+}
+
+// ---- The benchmark of one shape --------------------------------------------------------------
+
+void run_shape(int64_t R, int64_t C) {
+  Context gpu = Context::cuda(), cpu = Context::cpu();
+  Table table{R, C};
+  const DType bf = DType::BF16, f32 = DType::F32;
+  const double N = double(R) * double(C);  // elements of one activation
+  const double A = 2 * N;                  // bytes of one BF16 activation
+  const double stat = 4.0 * R;             // one F32 per row (mean, rstd, lse, I32 target)
+  std::printf("\n== %lld x %lld BF16 ==\n", (long long)R, (long long)C);
+
+  Tensor x = randn({R, C}, bf, 1), res = randn({R, C}, bf, 2), dy = randn({R, C}, bf, 3);
+  Tensor gamma = randn({C}, bf, 4, 0.5f), beta = randn({C}, bf, 5, 0.5f);
+
+  // Copies: the ceiling (always run, since every fraction divides by it) and tessera's kernel.
+  {
+    Tensor out = Tensor::empty({R, C}, bf, kGpu);
+    const double ms = median_ms(
+        [&] { CHECK_CUDA(cudaMemcpyAsync(out.raw_data(), x.raw_data(), x.nbytes(), cudaMemcpyDeviceToDevice, nullptr)); },
+        g_runs);
+    Check c;
+    c.expect(byte_mismatch(sample(out), sample(x)), 0, "copy");
+    table.add("cudaMemcpyAsync D2D", 2 * A, ms, c.text());
+    if (table.wanted("copy")) {
+      const int64_t strides[2] = {C, 1}, shape[2] = {R, C};
+      auto fn = [&] { cuda::copy_strided(out.raw_data(), strides, x.raw_data(), strides, shape, 2, 2); };
+      const double ms2 = median_ms(fn, g_runs);
+      poison(out);
+      fn();
+      Check c2;
+      c2.expect(byte_mismatch(sample(out), sample(x)), 0, "copy");
+      table.add("tessera copy_strided (copy kernel)", 2 * A, ms2, c2.text());
+    }
+  }
+
+  // ---- LayerNorm / RMSNorm, plain and with the residual add ----
+  // Forward bytes: x (+ residual) read, y (+ sum) written, gamma (+ beta) read, mean/rstd written.
+  // Backward bytes: dy, x (+ d_residual) read, dx written, gamma and mean/rstd read, dgamma
+  // (+ dbeta, F32) read and written (they accumulate).
+  for (bool layer : {true, false}) {
+    for (bool fused : {false, true}) {
+      const std::string base = std::string(fused ? "add_" : "") + (layer ? "layernorm" : "rmsnorm");
+      const std::string fwd_name = base + "_forward";
+      const std::string bwd_name = layer ? (fused ? "layernorm_backward_add" : "layernorm_backward")
+                                         : (fused ? "rmsnorm_backward_add" : "rmsnorm_backward");
+      if (!table.wanted(fwd_name) && !table.wanted(bwd_name)) continue;
+      Tensor y = Tensor::empty({R, C}, bf, kGpu), sum = Tensor::empty({R, C}, bf, kGpu);
+      Tensor mean = Tensor::empty({R}, f32, kGpu), rstd = Tensor::empty({R}, f32, kGpu);
+      const Tensor b = layer ? beta : Tensor();
+      auto fwd = [&] {
+        if (fused && layer) add_layernorm_forward(gpu, x, res, gamma, b, kEps, sum, y, mean, rstd);
+        else if (fused) add_rmsnorm_forward(gpu, x, res, gamma, kEps, sum, y, rstd);
+        else if (layer) layernorm_forward(gpu, x, gamma, b, kEps, y, mean, rstd);
+        else rmsnorm_forward(gpu, x, gamma, kEps, y, rstd);
+      };
+      const Tensor& normed = fused ? sum : x;  // the tensor the norm saw (backward's x)
+      {
+        const double ms = table.wanted(fwd_name) ? median_ms(fwd, g_runs) : 0;
+        poison(y);
+        poison(sum);
+        poison(mean);
+        poison(rstd);
+        fwd();
+        Check c;
+        Tensor sx = sample(x), sr = sample(res), sy = cpu_empty_like(sx), ss = cpu_empty_like(sx);
+        Tensor sm = Tensor::empty({sx.size(0)}, f32, kCpu), sd = Tensor::empty({sx.size(0)}, f32, kCpu);
+        const Tensor hg = gamma.to(kCpu), hb = b.defined() ? b.to(kCpu) : Tensor();
+        if (fused && layer) add_layernorm_forward(cpu, sx, sr, hg, hb, kEps, ss, sy, sm, sd);
+        else if (fused) add_rmsnorm_forward(cpu, sx, sr, hg, kEps, ss, sy, sd);
+        else if (layer) layernorm_forward(cpu, sx, hg, hb, kEps, sy, sm, sd);
+        else rmsnorm_forward(cpu, sx, hg, kEps, sy, sd);
+        c.expect(rel_error(sample(y), sy), 1e-2, "y");
+        if (fused) c.expect(byte_mismatch(sample(sum), ss), 0, "sum");
+        if (layer) c.expect(rel_error(sample(mean), sm), 1e-5, "mean");
+        c.expect(rel_error(sample(rstd), sd), 1e-5, "rstd");
+        const double bytes = (fused ? 4 : 2) * A + 2.0 * C * (layer ? 2 : 1) + stat * (layer ? 2 : 1);
+        if (table.wanted(fwd_name)) table.add(fwd_name, bytes, ms, c.text());
+      }
+      if (table.wanted(bwd_name)) {
+        Tensor dx = Tensor::empty({R, C}, bf, kGpu);
+        Tensor dgamma = Tensor::zeros({C}, f32, kGpu), dbeta = layer ? Tensor::zeros({C}, f32, kGpu) : Tensor();
+        const Tensor& dres = res;  // any [R, C] tensor serves as the incoming residual gradient
+        auto bwd = [&] {
+          if (fused && layer) layernorm_backward_add(gpu, dy, normed, gamma, mean, rstd, dres, dx, dgamma, dbeta);
+          else if (fused) rmsnorm_backward_add(gpu, dy, normed, gamma, rstd, dres, dx, dgamma);
+          else if (layer) layernorm_backward(gpu, dy, normed, gamma, mean, rstd, dx, dgamma, dbeta);
+          else rmsnorm_backward(gpu, dy, normed, gamma, rstd, dx, dgamma);
+        };
+        const double ms = median_ms(bwd, g_runs);
+        poison(dx);
+        dgamma = Tensor::zeros({C}, f32, kGpu);
+        if (layer) dbeta = Tensor::zeros({C}, f32, kGpu);
+        bwd();
+        // The CPU reference over every row (the parameter gradients sum all of them).
+        Check c;
+        const Tensor hdy = dy.to(kCpu), hx = normed.to(kCpu), hg = gamma.to(kCpu), hm = mean.to(kCpu),
+                     hr = rstd.to(kCpu), hres = dres.to(kCpu);
+        Tensor hdx = cpu_empty_like(hdy), hdg = Tensor::zeros({C}, f32, kCpu),
+               hdb = layer ? Tensor::zeros({C}, f32, kCpu) : Tensor();
+        if (fused && layer) layernorm_backward_add(cpu, hdy, hx, hg, hm, hr, hres, hdx, hdg, hdb);
+        else if (fused) rmsnorm_backward_add(cpu, hdy, hx, hg, hr, hres, hdx, hdg);
+        else if (layer) layernorm_backward(cpu, hdy, hx, hg, hm, hr, hdx, hdg, hdb);
+        else rmsnorm_backward(cpu, hdy, hx, hg, hr, hdx, hdg);
+        c.expect(rel_error(sample(dx), sample(hdx)), 1e-2, "dx");
+        c.expect(rel_error(dgamma, hdg), 1e-5, "dgamma");
+        if (layer) c.expect(rel_error(dbeta, hdb), 1e-5, "dbeta");
+        const double bytes =
+            (fused ? 4 : 3) * A + 2.0 * C + stat * (layer ? 2 : 1) + 2 * 4.0 * C * (layer ? 2 : 1);
+        table.add(bwd_name, bytes, ms, c.text());
+      }
+    }
+  }
+
+  // ---- Elementwise: add, scale, GELU, SwiGLU (x is [R, 2C]) ----
+  if (table.wanted("add(")) {
+    Tensor out = Tensor::empty({R, C}, bf, kGpu);
+    auto fn = [&] { add(gpu, x, res, out); };
+    const double ms = median_ms(fn, g_runs);
+    poison(out);
+    fn();
+    Tensor sx = sample(x), want = cpu_empty_like(sx);
+    add(cpu, sx, sample(res), want);
+    Check c;
+    c.expect(rel_error(sample(out), want), 1e-2, "out");
+    table.add("add(a, b)", 3 * A, ms, c.text());
+  }
+  if (table.wanted("scale")) {
+    Tensor out = Tensor::empty({R, C}, bf, kGpu);
+    auto fn = [&] { scale(gpu, x, 0.37f, out); };
+    const double ms = median_ms(fn, g_runs);
+    poison(out);
+    fn();
+    Tensor sx = sample(x), want = cpu_empty_like(sx);
+    scale(cpu, sx, 0.37f, want);
+    Check c;
+    c.expect(rel_error(sample(out), want), 1e-2, "out");
+    table.add("scale", 2 * A, ms, c.text());
+  }
+  if (table.wanted("gelu")) {
+    Tensor y = Tensor::empty({R, C}, bf, kGpu), dx = Tensor::empty({R, C}, bf, kGpu);
+    auto fwd = [&] { gelu_forward(gpu, x, y); };
+    auto bwd = [&] { gelu_backward(gpu, x, dy, dx); };
+    const double ms_f = median_ms(fwd, g_runs), ms_b = median_ms(bwd, g_runs);
+    poison(y);
+    poison(dx);
+    fwd();
+    bwd();
+    Tensor sx = sample(x), sdy = sample(dy), wy = cpu_empty_like(sx), wdx = cpu_empty_like(sx);
+    gelu_forward(cpu, sx, wy);
+    gelu_backward(cpu, sx, sdy, wdx);
+    Check cf, cb;
+    cf.expect(rel_error(sample(y), wy), 1e-2, "y");
+    cb.expect(rel_error(sample(dx), wdx), 1e-2, "dx");
+    table.add("gelu_forward", 2 * A, ms_f, cf.text());
+    table.add("gelu_backward", 3 * A, ms_b, cb.text());
+  }
+  if (table.wanted("swiglu")) {
+    Tensor x2 = randn({R, 2 * C}, bf, 6), y = Tensor::empty({R, C}, bf, kGpu), dx2 = Tensor::empty({R, 2 * C}, bf, kGpu);
+    auto fwd = [&] { swiglu_forward(gpu, x2, y); };
+    auto bwd = [&] { swiglu_backward(gpu, x2, dy, dx2); };
+    const double ms_f = median_ms(fwd, g_runs), ms_b = median_ms(bwd, g_runs);
+    poison(y);
+    poison(dx2);
+    fwd();
+    bwd();
+    Tensor sx = sample(x2), sdy = sample(dy), wy = cpu_empty_like(sdy), wdx = cpu_empty_like(sx);
+    swiglu_forward(cpu, sx, wy);
+    swiglu_backward(cpu, sx, sdy, wdx);
+    Check cf, cb;
+    cf.expect(rel_error(sample(y), wy), 1e-2, "y");
+    cb.expect(rel_error(sample(dx2), wdx), 1e-2, "dx");
+    table.add("swiglu_forward (x [R, 2C])", 3 * A, ms_f, cf.text());
+    table.add("swiglu_backward", 5 * A, ms_b, cb.text());
+  }
+
+  // ---- Casts (the cast op; every dtype pair has a kernel) ----
+  if (table.wanted("cast")) {
+    Tensor xf = randn({R, C}, f32, 7), xb = Tensor::empty({R, C}, bf, kGpu), back = Tensor::empty({R, C}, f32, kGpu);
+    auto to_bf = [&] { cast(gpu, xf, xb); };
+    auto to_f = [&] { cast(gpu, xb, back); };
+    const double ms1 = median_ms(to_bf, g_runs), ms2 = median_ms(to_f, g_runs);
+    poison(xb);
+    poison(back);
+    to_bf();
+    to_f();
+    Tensor sf = sample(xf), wb = Tensor::empty(sf.shape(), bf, kCpu), wf = Tensor::empty(sf.shape(), f32, kCpu);
+    cast(cpu, sf, wb);
+    cast(cpu, wb, wf);
+    Check c1, c2;
+    c1.expect(byte_mismatch(sample(xb), wb), 0, "bf16");
+    c2.expect(byte_mismatch(sample(back), wf), 0, "f32");
+    table.add("cast F32 -> BF16", 6.0 * N, ms1, c1.text());
+    table.add("cast BF16 -> F32", 6.0 * N, ms2, c2.text());
+  }
+
+  // ---- Softmax ----
+  if (table.wanted("softmax")) {
+    Tensor y = Tensor::empty({R, C}, bf, kGpu), dx = Tensor::empty({R, C}, bf, kGpu);
+    auto fwd = [&] { softmax_forward(gpu, x, y); };
+    auto bwd = [&] { softmax_backward(gpu, y, dy, dx); };
+    const double ms_f = median_ms(fwd, g_runs);
+    poison(y);
+    fwd();
+    const double ms_b = median_ms(bwd, g_runs);
+    poison(dx);
+    bwd();
+    Tensor sx = sample(x), sy = sample(y), wy = cpu_empty_like(sx), wdx = cpu_empty_like(sx);
+    softmax_forward(cpu, sx, wy);
+    softmax_backward(cpu, sy, sample(dy), wdx);
+    Check cf, cb;
+    cf.expect(rel_error(sy, wy), 1e-2, "y");
+    cb.expect(rel_error(sample(dx), wdx), 1e-2, "dx");
+    table.add("softmax_forward", 2 * A, ms_f, cf.text());
+    table.add("softmax_backward", 3 * A, ms_b, cb.text());
+  }
+
+  // ---- Cross-entropy on [R, C] logits (C is the vocabulary here) ----
+  // Forward: logits, targets (I32) read, lse written, the loss (4 bytes). Backward: logits,
+  // targets, lse read, d_logits written.
+  if (table.wanted("cross_entropy")) {
+    std::vector<int64_t> t(R);
+    for (int64_t i = 0; i < R; ++i) t[i] = (i * 2654435761LL) % C;
+    const Tensor targets = Tensor::from_ints(t, {R}, DType::I32).to(kGpu);
+    Tensor loss = Tensor::empty({1}, f32, kGpu), lse = Tensor::empty({R}, f32, kGpu);
+    Tensor dl = Tensor::empty({R, C}, bf, kGpu);
+    auto fwd = [&] { cross_entropy_forward(gpu, x, targets, loss, lse); };
+    auto bwd = [&] { cross_entropy_backward(gpu, x, targets, lse, 1.0f, dl); };
+    const double ms_f = median_ms(fwd, g_runs);
+    poison(loss);
+    poison(lse);
+    fwd();
+    const double ms_b = median_ms(bwd, g_runs);
+    poison(dl);
+    bwd();
+    Check cf, cb;
+    {  // the loss over every row; lse and d_logits on the sample rows
+      const Tensor hx = x.to(kCpu), ht = targets.to(kCpu);
+      Tensor hl = Tensor::empty({1}, f32, kCpu), hlse = Tensor::empty({R}, f32, kCpu);
+      cross_entropy_forward(cpu, hx, ht, hl, hlse);
+      cf.expect(rel_error(loss, hl), 1e-5, "loss");
+      cf.expect(rel_error(sample(lse), sample(hlse)), 1e-5, "lse");
+      Tensor sx = sample(x), st = sample(targets), wdl = cpu_empty_like(sx);
+      // d_loss / n_valid must equal the full run's 1 / R: scale d_loss by sample rows / R.
+      cross_entropy_backward(cpu, sx, st, sample(hlse), float(double(sx.size(0)) / double(R)), wdl);
+      cb.expect(rel_error(sample(dl), wdl), 1e-2, "d_logits");
+    }
+    table.add("cross_entropy_forward", A + 2 * stat + 4, ms_f, cf.text());
+    table.add("cross_entropy_backward", 2 * A + 2 * stat, ms_b, cb.text());
+  }
+
+  // ---- FP8: per-tensor quantization BF16 -> E4M3 (with amax, delayed scaling), amax ----
+  if (table.wanted("quantize") || table.wanted("amax")) {
+    Tensor am = Tensor::empty({1}, f32, kGpu), scale_t = Tensor::empty({1}, f32, kGpu);
+    Tensor q = Tensor::empty({R, C}, DType::E4M3, kGpu);
+    amax(gpu, x, am);
+    const float a = am.to(kCpu).data<float>()[0];
+    const float s = fp8_scale_from_amax(a, DType::E4M3);
+    scale_t.copy_from(Tensor::from_floats({s}, {1}));
+    auto quant = [&] { quantize_per_tensor(gpu, x, scale_t, q, am); };
+    auto amx = [&] { amax(gpu, x, am); };
+    const double ms_q = median_ms(quant, g_runs), ms_a = median_ms(amx, g_runs);
+    poison(q);
+    poison(am);
+    quant();
+    Check cq, ca;
+    const Tensor hx = x.to(kCpu);
+    Tensor ham = Tensor::empty({1}, f32, kCpu);
+    amax(cpu, hx, ham);
+    Tensor sx = sample(x), wq = Tensor::empty(sx.shape(), DType::E4M3, kCpu), dummy = Tensor::empty({1}, f32, kCpu);
+    quantize_per_tensor(cpu, sx, scale_t.to(kCpu), wq, dummy);
+    cq.expect(byte_mismatch(sample(q), wq), 0, "codes");
+    cq.expect(byte_mismatch(am, ham), 0, "amax");
+    poison(am);
+    amx();
+    ca.expect(byte_mismatch(am, ham), 0, "amax");
+    // Every BF16 bit pattern, at several scales, both FP8 formats: bytes equal to the CPU's.
+    {
+      std::vector<uint16_t> bits(65536);
+      for (int i = 0; i < 65536; ++i) bits[i] = static_cast<uint16_t>(i);
+      Tensor all = Tensor::empty({256, 256}, bf, kCpu);
+      std::memcpy(all.raw_data(), bits.data(), all.nbytes());
+      const Tensor all_gpu = all.to(kGpu);
+      for (DType fp8 : {DType::E4M3, DType::E5M2})
+        for (float sc : {s, 1.0f, 1e4f, 0x1p-10f, 3.7f, 1e30f}) {
+          Tensor want = Tensor::empty({256, 256}, fp8, kCpu), wam = Tensor::empty({1}, f32, kCpu);
+          quantize_per_tensor(cpu, all, Tensor::from_floats({sc}, {1}), want, wam);
+          Tensor got = Tensor::empty({256, 256}, fp8, kGpu), gam = Tensor::empty({1}, f32, kGpu);
+          quantize_per_tensor(gpu, all_gpu, Tensor::from_floats({sc}, {1}).to(kGpu), got, gam);
+          cq.expect(byte_mismatch(got, want), 0, std::string("every BF16 -> ") + dtype_name(fp8));
+        }
+    }
+    table.add("quantize_per_tensor BF16->E4M3 +amax", A + N + 8, ms_q, cq.text());
+    table.add("amax (BF16)", A + 4, ms_a, ca.text());
+  }
+  table.print();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!cuda_available()) {
+    std::printf("bench_bandwidth: no GPU present, nothing to measure\n");
+    return 0;
+  }
+  if (argc > 1) g_runs = std::max(1, std::atoi(argv[1]));
+  if (argc > 2) g_filter = argv[2];
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("bench_bandwidth on %s (%d SMs, %.0f MB L2)\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize / 1e6);
+  run_shape(16384, 4096);
+  run_shape(16384, 768);
+  return 0;
+}
