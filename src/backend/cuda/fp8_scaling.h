@@ -1,0 +1,20 @@
+// Delayed-scaling bookkeeping on the GPU (backend/cuda/fp8_scaling.cu), for
+// tessera/fp8/device_scaling.h: one launch folds every tensor's pending amax into the
+// history, one updates every scale. Arguments are checked by the caller.
+#pragma once
+
+#include <cstdint>
+
+#include "tessera/core/tensor.h"
+
+namespace tessera::cuda {
+
+// history [N, H] F32, pending [N] F32: history[i, position] = fold(., pending[i]); pending = 0.
+void delayed_scaling_record(void* stream, Tensor& history, Tensor& pending, int64_t position);
+
+// record, then for every i the window amax (max ignoring NaN when window_max, else the
+// current slot), scale/scale_inv from it when finite and > 0, and history[i, next] = 0.
+void delayed_scaling_update(void* stream, Tensor& history, Tensor& pending, Tensor& scale, Tensor& scale_inv,
+                            const Tensor& fp8_max, int64_t position, bool window_max, float margin);
+
+}  // namespace tessera::cuda

@@ -1,0 +1,132 @@
+#include "tessera/fp8/device_scaling.h"
+
+#include <cmath>
+
+#include "tessera/core/numeric.h"
+#include "tessera/ops/quantize.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/fp8_scaling.h"
+#endif
+
+namespace tessera::fp8 {
+
+namespace {
+
+// The fold of DelayedScalingState::record: NaN is sticky (an overflowed micro-batch keeps the
+// step visible as such), otherwise the larger value.
+float fold_amax(float slot, float amax) {
+  if (std::isnan(amax) || std::isnan(slot)) return NAN;
+  return amax > slot ? amax : slot;
+}
+
+}  // namespace
+
+DeviceDelayedScaling::DeviceDelayedScaling(Context& ctx, const DelayedScalingConfig& config, std::vector<Role> roles)
+    : config_(config), roles_(std::move(roles)) {
+  TESSERA_CHECK(config_.history_len >= 1, "DeviceDelayedScaling: history_len must be at least 1, got ",
+                config_.history_len);
+  TESSERA_CHECK(std::isfinite(config_.margin), "DeviceDelayedScaling: margin must be finite, got ", config_.margin);
+  const int64_t n = size();
+  std::vector<float> ones(static_cast<size_t>(n), 1.0f), maxes;
+  for (int64_t i = 0; i < n; ++i) maxes.push_back(fp8_max(dtype(i)));
+  history_ = Tensor::zeros({n, config_.history_len}, DType::F32, ctx.device);
+  pending_ = Tensor::zeros({n}, DType::F32, ctx.device);
+  scale_ = Tensor::from_floats(ones, {n}).to(ctx.device);
+  scale_inv_ = Tensor::from_floats(ones, {n}).to(ctx.device);
+  fp8_max_ = Tensor::from_floats(maxes, {n}).to(ctx.device);
+}
+
+Tensor DeviceDelayedScaling::scale(int64_t i) const { return scale_.slice(0, i, i + 1); }
+Tensor DeviceDelayedScaling::scale_inv(int64_t i) const { return scale_inv_.slice(0, i, i + 1); }
+Tensor DeviceDelayedScaling::pending_amax(int64_t i) const { return pending_.slice(0, i, i + 1); }
+
+void DeviceDelayedScaling::record(Context& ctx) {
+  const int64_t n = size(), len = config_.history_len;
+  if (n == 0) return;
+  TESSERA_CHECK(history_.device() == ctx.device, "DeviceDelayedScaling::record: state is on ",
+                history_.device().to_string(), ", context on ", ctx.device.to_string());
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    cuda::delayed_scaling_record(ctx.stream, history_, pending_, position_);
+    return;
+#endif
+  }
+  float* history = history_.data<float>();
+  float* pending = pending_.data<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    float& slot = history[i * len + position_];
+    slot = fold_amax(slot, pending[i]);
+    pending[i] = 0.0f;
+  }
+}
+
+void DeviceDelayedScaling::update(Context& ctx) {
+  const int64_t n = size(), len = config_.history_len;
+  const bool window_max = config_.amax_compute == DelayedScalingConfig::AmaxCompute::Max;
+  if (n > 0) {
+    TESSERA_CHECK(history_.device() == ctx.device, "DeviceDelayedScaling::update: state is on ",
+                  history_.device().to_string(), ", context on ", ctx.device.to_string());
+    if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+      cuda::delayed_scaling_update(ctx.stream, history_, pending_, scale_, scale_inv_, fp8_max_, position_,
+                                   window_max, config_.margin);
+#endif
+    } else {
+      record(ctx);
+      float* history = history_.data<float>();
+      float* scale = scale_.data<float>();
+      float* scale_inv = scale_inv_.data<float>();
+      const float* maxes = fp8_max_.data<float>();
+      const int64_t next = (position_ + 1) % len;
+      for (int64_t i = 0; i < n; ++i) {
+        float* row = history + i * len;
+        float amax = row[position_];
+        if (window_max) {
+          amax = 0.0f;
+          for (int64_t s = 0; s < len; ++s) amax = std::fmax(amax, row[s]);  // fmax skips NaN
+        }
+        if (amax > 0.0f && std::isfinite(amax)) {
+          scale[i] = fp8_scale_for_amax(amax, maxes[i], config_.margin, false);
+          scale_inv[i] = 1.0f / scale[i];
+        }
+        row[next] = 0.0f;
+      }
+    }
+  }
+  position_ = (position_ + 1) % len;
+}
+
+std::map<std::string, Tensor> DeviceDelayedScaling::state_dict(const std::string& prefix) const {
+  return {{prefix + "amax_history", history_.to(Device::cpu())},
+          {prefix + "scale", scale_.to(Device::cpu())},
+          {prefix + "scale_inv", scale_inv_.to(Device::cpu())},
+          {prefix + "position", Tensor::from_ints({position_}, {1}, DType::I64)}};
+}
+
+void DeviceDelayedScaling::load_state_dict(Context& ctx, const std::map<std::string, Tensor>& tensors,
+                                           const std::string& prefix) {
+  auto get = [&](const char* name, DType dtype, const Shape& shape) {
+    const auto it = tensors.find(prefix + name);
+    TESSERA_CHECK(it != tensors.end(), "DeviceDelayedScaling: checkpoint lacks tensor '", prefix, name, "'");
+    const Tensor& t = it->second;
+    TESSERA_CHECK(t.dtype() == dtype && t.shape() == shape, "DeviceDelayedScaling: tensor '", prefix, name, "' is ",
+                  t.describe(), ", expected ", dtype_name(dtype), shape_to_string(shape),
+                  " (different tensor count or history_len?)");
+    return t;
+  };
+  const int64_t n = size();
+  const Tensor history = get("amax_history", DType::F32, {n, config_.history_len});
+  const Tensor scale = get("scale", DType::F32, {n});
+  const Tensor scale_inv = get("scale_inv", DType::F32, {n});
+  const int64_t position = get("position", DType::I64, {1}).to_ints()[0];
+  TESSERA_CHECK(position >= 0 && position < config_.history_len, "DeviceDelayedScaling: tensor '", prefix,
+                "position' holds ", position, ", outside [0, ", config_.history_len, ")");
+  // Assign only after every check passed, so a failed load leaves the state untouched.
+  history_ = history.contiguous().to(ctx.device);
+  scale_ = scale.contiguous().to(ctx.device);
+  scale_inv_ = scale_inv.contiguous().to(ctx.device);
+  pending_ = Tensor::zeros({n}, DType::F32, ctx.device);
+  position_ = position;
+}
+
+}  // namespace tessera::fp8
