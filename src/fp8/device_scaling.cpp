@@ -129,4 +129,18 @@ void DeviceDelayedScaling::load_state_dict(Context& ctx, const std::map<std::str
   position_ = position;
 }
 
+void scale_from_amax(Context& ctx, const Tensor& amax, DType fp8, float margin, bool power_of_two, Tensor& scale) {
+  for (const Tensor* t : {&amax, static_cast<const Tensor*>(&scale)})
+    TESSERA_CHECK(t->dtype() == DType::F32 && t->numel() == 1 && t->device() == ctx.device,
+                  "scale_from_amax: amax and scale must be F32 [1] on ", ctx.device.to_string(), ", got ", t->describe());
+  const float max_value = fp8_max(fp8);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    cuda::scale_from_amax(ctx.stream, amax, max_value, margin, power_of_two, scale);
+    return;
+#endif
+  }
+  scale.data<float>()[0] = fp8_scale_for_amax(amax.data<float>()[0], max_value, margin, power_of_two);
+}
+
 }  // namespace tessera::fp8

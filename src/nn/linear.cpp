@@ -34,22 +34,56 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
   if (has_bias) bias = Parameter(name + ".bias", {out_features}, dtype, false);
 }
 
+bool Linear::runs_fp8(const Tensor& x) const {
+  // cuBLASLt's FP8 GEMMs want every dimension (K of each of the three GEMMs) a multiple of 16;
+  // the CPU emulation follows the same rule so that both devices take the same path.
+  return fp8_.scaling && x.dtype() == DType::BF16 && weight.value.dtype() == DType::BF16 && x.dim() == 2 &&
+         x.size(0) % 16 == 0 && x.size(0) > 0 && in_ % 16 == 0 && out_ % 16 == 0 &&
+         (!bias.value.defined() || bias.value.dtype() == DType::BF16);
+}
+
 Tensor Linear::forward(Context& ctx, const Tensor& x, Saved& saved) const {
   TESSERA_CHECK(x.dim() == 2 && x.size(1) == in_, "Linear ", weight.name, ": input must be [N, ", in_, "], got ",
                 x.describe());
   Tensor y = Tensor::empty({x.size(0), out_}, weight.value.dtype(), ctx.device);
+  saved.fp8 = runs_fp8(x);
+  if (saved.fp8) {
+    saved.x = Tensor();
+    saved.x_fp8 = fp8_.scaling->quantize(ctx, x, fp8_.layer, Fp8Scaling::kInput);
+    saved.w_fp8 = fp8_.scaling->quantize(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);
+    fp8::Fp8GemmOptions options;
+    options.fast_accumulate = true;  // forward only, as Transformer Engine does
+    options.bias = bias.value;
+    fp8::fp8_gemm(ctx, saved.x_fp8, false, saved.w_fp8, true, y, options);  // y = x W^T + b
+    return y;
+  }
   gemm(ctx, x, weight.value, y, {.transpose_b = true}, bias.value);
   saved.x = x;
   return y;
 }
 
 Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const {
+  if (saved.fp8) {
+    saved.dy_fp8 = fp8_.scaling->quantize(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput);
+    Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
+    fp8::fp8_gemm(ctx, saved.dy_fp8, false, saved.w_fp8, false, dx);  // dx = dy W
+    return dx;
+  }
   Tensor dx = Tensor::empty({saved.x.size(0), in_}, weight.value.dtype(), ctx.device);
   gemm(ctx, dy, weight.value, dx);  // dx = dy W
   return dx;
 }
 
 void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+  if (saved.fp8) {
+    TESSERA_CHECK(saved.dy_fp8.data.defined(), "Linear ", weight.name, ": backward_weight needs backward_input first");
+    fp8::Fp8GemmOptions options;
+    options.beta = 1;  // dW += dy^T x, into the FP32 master gradient
+    fp8::fp8_gemm(ctx, saved.dy_fp8, true, saved.x_fp8, false, weight.grad, options);
+    if (bias.value.defined()) bias_grad(ctx, dy, bias.grad);
+    saved.dy_fp8 = fp8::QuantizedTensor();
+    return;
+  }
   // dW += dy^T x and db += column sums of dy (one GEMM on CUDA, its epilogue sums the bias)
   linear_weight_grad(ctx, dy, saved.x, weight.grad, bias.grad);
 }

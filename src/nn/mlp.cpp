@@ -13,7 +13,11 @@ MLP::MLP(const std::string& name, int64_t hidden, int64_t ffn, Activation act, b
 
 Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
   Tensor h = Tensor::empty({x.size(0), proj.in_features()}, x.dtype(), ctx.device);
-  if (activation == Activation::GELU) {
+  if (activation == Activation::GELU && fc.runs_fp8(x)) {
+    // In FP8 the GEMM writes h_pre and the activation is its own pass (no FP8 GELU epilogue).
+    saved.h_pre = fc.forward(ctx, x, saved.fc_in);
+    gelu_forward(ctx, saved.h_pre, h);
+  } else if (activation == Activation::GELU) {
     // fc and GELU in one GEMM (the epilogue applies the activation and keeps h_pre).
     TESSERA_CHECK(x.dim() == 2 && x.size(1) == fc.in_features(), "MLP ", fc.weight.name, ": input must be [N, ",
                   fc.in_features(), "], got ", x.describe());
@@ -29,7 +33,10 @@ Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
 
 Tensor MLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
   saved.d_h_pre = Tensor::empty(saved.h_pre.shape(), dy.dtype(), ctx.device);
-  if (activation == Activation::GELU) {
+  if (activation == Activation::GELU && saved.proj_in.fp8) {
+    const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
+    gelu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
+  } else if (activation == Activation::GELU) {
     gemm_gelu_backward(ctx, dy, proj.weight.value, saved.h_pre, saved.d_h_pre);  // (dy W) * gelu'(h_pre)
   } else {
     const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);

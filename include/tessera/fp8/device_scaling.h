@@ -64,4 +64,9 @@ class DeviceDelayedScaling {
   int64_t position_ = 0;
 };
 
+// Current scaling's scale from a tensor's amax, on the device: scale[0] =
+// fp8_scale_from_amax(amax[0], fp8, margin, power_of_two) (1 for an amax of 0, NaN or Inf).
+// amax and scale are F32 [1] on ctx.device; nothing is read back to the host.
+void scale_from_amax(Context& ctx, const Tensor& amax, DType fp8, float margin, bool power_of_two, Tensor& scale);
+
 }  // namespace tessera::fp8

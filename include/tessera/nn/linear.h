@@ -1,6 +1,12 @@
 // Linear: y = x W^T + b over the last dimension. W is [out, in] (PyTorch's layout).
+//
+// With an FP8 binding (use_fp8) and BF16 tensors whose sizes the FP8 GEMMs take (rows, in
+// and out multiples of 16), the three GEMMs run in FP8: x and W cast as the recipe says for
+// the forward, the output gradient cast in backward_input; the casts are kept in Saved so
+// each is made once. Otherwise, or without a binding, the layer runs in its own dtype.
 #pragma once
 
+#include "tessera/nn/fp8_scaling.h"
 #include "tessera/nn/parameter.h"
 
 namespace tessera::nn {
@@ -8,7 +14,11 @@ namespace tessera::nn {
 class Linear {
  public:
   struct Saved {
-    Tensor x;  // [N, in]
+    Tensor x;  // [N, in] (not kept by the FP8 path, which keeps x_fp8)
+    bool fp8 = false;
+    fp8::QuantizedTensor x_fp8, w_fp8;
+    // Cast by backward_input, read by backward_weight (as the layers' d_qkv / d_h_pre are).
+    mutable fp8::QuantizedTensor dy_fp8;
   };
 
   Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias, DType dtype,
@@ -19,12 +29,19 @@ class Linear {
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);
 
+  // Run this layer's GEMMs in FP8 (see above); an empty binding turns FP8 off.
+  void use_fp8(Fp8Binding binding) { fp8_ = std::move(binding); }
+  const Fp8Binding& fp8_binding() const { return fp8_; }
+  // Whether forward(x) takes the FP8 path.
+  bool runs_fp8(const Tensor& x) const;
+
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
   Parameter weight, bias;  // bias undefined when the layer has none
 
  private:
   int64_t in_, out_;
+  Fp8Binding fp8_;
 };
 
 }  // namespace tessera::nn

@@ -51,6 +51,10 @@ __global__ void update_kernel(float* history, float* pending, float* scale, floa
   row[(position + 1) % len] = 0.0f;
 }
 
+__global__ void scale_from_amax_kernel(const float* amax, float fp8_max, float margin, bool power_of_two, float* scale) {
+  scale[0] = fp8_scale_for_amax(amax[0], fp8_max, margin, power_of_two);
+}
+
 int blocks_for(int64_t n) { return static_cast<int>((n + kThreads - 1) / kThreads); }
 
 }  // namespace
@@ -70,6 +74,12 @@ void delayed_scaling_update(void* stream, Tensor& history, Tensor& pending, Tens
       history.data<float>(), pending.data<float>(), scale.data<float>(), scale_inv.data<float>(),
       fp8_max.data<float>(), static_cast<int>(n), static_cast<int>(len), static_cast<int>(position), window_max,
       margin);
+  TESSERA_CUDA_CHECK(cudaGetLastError());
+}
+
+void scale_from_amax(void* stream, const Tensor& amax, float fp8_max, float margin, bool power_of_two, Tensor& scale) {
+  scale_from_amax_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(amax.data<float>(), fp8_max, margin,
+                                                                         power_of_two, scale.data<float>());
   TESSERA_CUDA_CHECK(cudaGetLastError());
 }
 

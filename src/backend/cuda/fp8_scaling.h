@@ -17,4 +17,7 @@ void delayed_scaling_record(void* stream, Tensor& history, Tensor& pending, int6
 void delayed_scaling_update(void* stream, Tensor& history, Tensor& pending, Tensor& scale, Tensor& scale_inv,
                             const Tensor& fp8_max, int64_t position, bool window_max, float margin);
 
+// scale[0] = fp8_scale_for_amax(amax[0], fp8_max, margin, power_of_two) (one thread).
+void scale_from_amax(void* stream, const Tensor& amax, float fp8_max, float margin, bool power_of_two, Tensor& scale);
+
 }  // namespace tessera::cuda

@@ -1,0 +1,32 @@
+#include "tessera/models/fp8_model.h"
+
+namespace tessera::models {
+
+namespace {
+
+template <typename F>
+void for_each_block_linear(TransformerLM& model, F&& f) {
+  for (auto& layer : model.layers) {
+    f(layer->attn.qkv);
+    f(layer->attn.proj);
+    f(layer->mlp.fc);
+    f(layer->mlp.proj);
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<nn::Fp8Scaling> enable_fp8(Context& ctx, TransformerLM& model, const fp8::Recipe& recipe) {
+  int64_t count = 0;
+  for_each_block_linear(model, [&](nn::Linear&) { ++count; });
+  auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe, count);
+  int64_t index = 0;
+  for_each_block_linear(model, [&](nn::Linear& linear) { linear.use_fp8({scaling, index++}); });
+  return scaling;
+}
+
+void disable_fp8(TransformerLM& model) {
+  for_each_block_linear(model, [](nn::Linear& linear) { linear.use_fp8({}); });
+}
+
+}  // namespace tessera::models

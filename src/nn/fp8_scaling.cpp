@@ -1,0 +1,60 @@
+#include "tessera/nn/fp8_scaling.h"
+
+#include "tessera/ops/quantize.h"
+
+namespace tessera::nn {
+
+Fp8Scaling::Fp8Scaling(Context& ctx, const fp8::Recipe& recipe, int64_t num_linears)
+    : recipe_(recipe), num_linears_(num_linears) {
+  TESSERA_CHECK(num_linears >= 0, "Fp8Scaling: num_linears must be >= 0, got ", num_linears);
+  if (const auto* delayed = std::get_if<fp8::DelayedScalingConfig>(&recipe_.config)) {
+    std::vector<fp8::Role> roles;
+    for (int64_t l = 0; l < num_linears; ++l)
+      roles.insert(roles.end(), {fp8::Role::Forward, fp8::Role::Forward, fp8::Role::Gradient});
+    delayed_.emplace(ctx, *delayed, std::move(roles));
+  } else if (const auto* current = std::get_if<fp8::CurrentScalingConfig>(&recipe_.config)) {
+    margin_ = current->margin;
+    power_of_two_ = current->power_of_two_scales;
+  } else {
+    TESSERA_FAIL("FP8 recipe \"", recipe_.name(),
+                 "\" is not wired into the linear layers yet: use \"delayed\" or \"current\"");
+  }
+}
+
+DType Fp8Scaling::dtype(Slot slot) const {
+  const fp8::Format format = delayed_ ? delayed_->config().format
+                                      : std::get<fp8::CurrentScalingConfig>(recipe_.config).format;
+  return fp8::fp8_dtype(format, slot == kGradOutput ? fp8::Role::Gradient : fp8::Role::Forward);
+}
+
+fp8::QuantizedTensor Fp8Scaling::quantize(Context& ctx, const Tensor& x, int64_t layer, Slot slot) {
+  TESSERA_CHECK(layer >= 0 && layer < num_linears_, "Fp8Scaling: layer ", layer, " outside [0, ", num_linears_, ")");
+  if (delayed_) {
+    const int64_t i = 3 * layer + slot;
+    Tensor pending = delayed_->pending_amax(i);
+    return fp8::quantize_with_transpose(ctx, x, delayed_->scale(i), dtype(slot), &pending);
+  }
+  // Current scaling: this tensor's own amax, turned into a scale on the device.
+  Tensor x_amax = Tensor::empty({1}, DType::F32, ctx.device), scale = Tensor::empty({1}, DType::F32, ctx.device);
+  amax(ctx, x, x_amax);
+  fp8::scale_from_amax(ctx, x_amax, dtype(slot), margin_, power_of_two_, scale);
+  return fp8::quantize_with_transpose(ctx, x, scale, dtype(slot));
+}
+
+void Fp8Scaling::end_micro_batch(Context& ctx) {
+  if (delayed_) delayed_->record(ctx);
+}
+
+void Fp8Scaling::end_step(Context& ctx) {
+  if (delayed_) delayed_->update(ctx);
+}
+
+std::map<std::string, Tensor> Fp8Scaling::state_dict() const {
+  return delayed_ ? delayed_->state_dict("fp8.") : std::map<std::string, Tensor>{};
+}
+
+void Fp8Scaling::load_state_dict(Context& ctx, const std::map<std::string, Tensor>& tensors) {
+  if (delayed_) delayed_->load_state_dict(ctx, tensors, "fp8.");
+}
+
+}  // namespace tessera::nn

@@ -1,0 +1,172 @@
+// FP8 linear layers (nn::Linear bound to an Fp8Scaling) on the CPU, where the FP8 GEMM is the
+// dequantized reference: the forward equals the FP8 GEMM of the recipe's casts bit for bit,
+// the three GEMMs stay close to the BF16 layer, sizes the FP8 GEMMs cannot take fall back to
+// BF16, delayed scaling moves its scales after a step, and a small GPT-2 and Llama train in
+// FP8 about as well as in BF16.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "testing.h"
+#include "tessera/fp8/quantized_tensor.h"
+#include "tessera/models/fp8_model.h"
+#include "tessera/models/transformer_lm.h"
+#include "tessera/nn/linear.h"
+#include "tessera/ops/quantize.h"
+#include "tessera/train/optimizer.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+fp8::Recipe recipe_named(const std::string& name) {
+  return fp8::Recipe::from_json({{"recipe", name}});
+}
+
+nn::Linear bf16_linear(int64_t in, int64_t out, bool bias, uint64_t seed) {
+  nn::Linear layer("l", in, out, bias, DType::BF16);
+  layer.weight.value.copy_from(random_tensor({out, in}, DType::BF16, seed, -0.3f, 0.3f));
+  if (bias) layer.bias.value.copy_from(random_tensor({out}, DType::BF16, seed + 1));
+  return layer;
+}
+
+}  // namespace
+
+TEST(Fp8Linear, ForwardIsTheFp8GemmOfTheRecipesCasts) {
+  Context ctx = Context::cpu();
+  nn::Linear layer = bf16_linear(32, 48, true, 1);
+  auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe_named("current"), 1);
+  layer.use_fp8({scaling, 0});
+  const Tensor x = random_tensor({64, 32}, DType::BF16, 3, -2, 2);
+  nn::Linear::Saved saved;
+  const Tensor y = layer.forward(ctx, x, saved);
+  ASSERT_TRUE(saved.fp8);
+  EXPECT_FALSE(saved.x.defined());  // the FP8 copy is what is kept for the backward
+
+  // By hand: current scaling from each tensor's amax, then the TN FP8 GEMM with the bias.
+  const auto cast = [&](const Tensor& t, DType fp8_dtype) {
+    Tensor a = Tensor::empty({1}, DType::F32), scale = Tensor::empty({1}, DType::F32);
+    amax(ctx, t, a);
+    scale.data<float>()[0] = fp8_scale_from_amax(a.data<float>()[0], fp8_dtype);
+    return fp8::quantize_with_transpose(ctx, t, scale, fp8_dtype);
+  };
+  const fp8::QuantizedTensor xq = cast(x, DType::E4M3), wq = cast(layer.weight.value, DType::E4M3);
+  Tensor want = Tensor::empty({64, 48}, DType::BF16);
+  fp8::Fp8GemmOptions options;
+  options.bias = layer.bias.value;
+  fp8::fp8_gemm(ctx, xq, false, wq, true, want, options);
+  EXPECT_EQ(y.to_doubles(), want.to_doubles());
+}
+
+TEST(Fp8Linear, GradientsStayCloseToBf16) {
+  Context ctx = Context::cpu();
+  for (const char* recipe : {"current", "delayed"}) {
+    nn::Linear ref = bf16_linear(64, 80, true, 10), fp8_layer = bf16_linear(64, 80, true, 10);
+    auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe_named(recipe), 1);
+    fp8_layer.use_fp8({scaling, 0});
+    const Tensor x = random_tensor({96, 64}, DType::BF16, 11, -2, 2), dy = random_tensor({96, 80}, DType::BF16, 12);
+    // Delayed scaling starts at scale 1; one step of statistics sets real scales.
+    for (int step = 0; step < 2; ++step) {
+      ref.weight.grad.fill_zero();
+      fp8_layer.weight.grad.fill_zero();
+      ref.bias.grad.fill_zero();
+      fp8_layer.bias.grad.fill_zero();
+      nn::Linear::Saved sr, sf;
+      const Tensor yr = ref.forward(ctx, x, sr), yf = fp8_layer.forward(ctx, x, sf);
+      const Tensor dxr = ref.backward_input(ctx, dy, sr), dxf = fp8_layer.backward_input(ctx, dy, sf);
+      ref.backward_weight(ctx, dy, sr);
+      fp8_layer.backward_weight(ctx, dy, sf);
+      scaling->end_step(ctx);
+      if (step == 0) continue;
+      SCOPED_TRACE(recipe);
+      // E4M3 keeps 3 mantissa bits, E5M2 2: a few percent per element, less after the sums.
+      EXPECT_LT(relative_error(yf, yr), 0.06);
+      EXPECT_LT(relative_error(dxf, dxr), 0.1);
+      EXPECT_LT(relative_error(fp8_layer.weight.grad, ref.weight.grad), 0.1);
+      EXPECT_EQ(fp8_layer.bias.grad.to_doubles(), ref.bias.grad.to_doubles());  // the bias gradient stays BF16
+    }
+  }
+}
+
+TEST(Fp8Linear, SizesTheFp8GemmsCannotTakeRunInBf16) {
+  Context ctx = Context::cpu();
+  nn::Linear layer = bf16_linear(24, 40, false, 20);  // 24 is no multiple of 16
+  auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe_named("current"), 1);
+  layer.use_fp8({scaling, 0});
+  nn::Linear::Saved saved;
+  layer.forward(ctx, random_tensor({32, 24}, DType::BF16, 21), saved);
+  EXPECT_FALSE(saved.fp8);
+  nn::Linear other = bf16_linear(32, 48, false, 22);
+  other.use_fp8({scaling, 0});
+  other.forward(ctx, random_tensor({17, 32}, DType::BF16, 23), saved);  // 17 rows
+  EXPECT_FALSE(saved.fp8);
+  // Block scaling and MXFP8 are not wired into the layers yet: a clear error, not a silent BF16 run.
+  EXPECT_THROW(nn::Fp8Scaling(ctx, recipe_named("block"), 1), Error);
+}
+
+TEST(Fp8Linear, DelayedScalingLearnsItsScalesFromTheStep) {
+  Context ctx = Context::cpu();
+  nn::Linear layer = bf16_linear(32, 32, false, 30);
+  auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe_named("delayed"), 1);
+  layer.use_fp8({scaling, 0});
+  const Tensor x = random_tensor({16, 32}, DType::BF16, 31, -4, 4);
+  nn::Linear::Saved saved;
+  layer.forward(ctx, x, saved);
+  layer.backward_input(ctx, random_tensor({16, 32}, DType::BF16, 32), saved);
+  scaling->end_step(ctx);
+  Tensor x_amax = Tensor::empty({1}, DType::F32);
+  amax(ctx, x, x_amax);
+  const std::map<std::string, Tensor> state = scaling->state_dict();
+  const std::vector<float> scales = state.at("fp8.scale").to_floats();
+  EXPECT_EQ(scales[0], fp8_scale_from_amax(x_amax.data<float>()[0], DType::E4M3));  // the input's
+  EXPECT_NE(scales[2], 1.0f);  // the gradient's, in E5M2
+}
+
+// A small model trains in FP8 about as well as in BF16 from the same start (CPU emulation).
+TEST(Fp8Model, SmallModelsTrainLikeBf16) {
+  Context ctx = Context::cpu();
+  // Each architecture with one recipe, to keep the test short (the layer tests cover both).
+  for (const auto& [arch, recipe] : {std::pair{"gpt2", "delayed"}, std::pair{"llama", "current"}}) {
+    {
+      models::ModelConfig c;
+      c.architecture = arch;
+      c.vocab_size = 64;
+      c.hidden_size = 32;
+      c.num_layers = 2;
+      c.num_heads = 2;
+      c.num_kv_heads = 2;
+      c.intermediate_size = 64;
+      c.max_seq_len = 16;
+      const int64_t batch = 2, seq = 16;
+      Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
+      for (int64_t i = 0; i < batch * seq; ++i) {  // a learnable pattern: next = (3 * current + 1) mod V
+        inputs.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % c.vocab_size);
+        targets.data<int32_t>()[i] = static_cast<int32_t>((3 * inputs.data<int32_t>()[i] + 1) % c.vocab_size);
+      }
+      std::vector<double> final_loss;
+      for (const bool use_fp8 : {false, true}) {
+        models::TransformerLM model(c, DType::BF16);
+        model.init(ctx, 5);
+        std::shared_ptr<nn::Fp8Scaling> scaling;
+        if (use_fp8) scaling = models::enable_fp8(ctx, model, recipe_named(recipe));
+        train::OptimizerConfig oc;
+        oc.lr = 1e-2;
+        train::Optimizer optimizer(model.parameters(), oc);
+        double loss = 0, first = 0;
+        for (int step = 0; step < 15; ++step) {
+          model.zero_grad();
+          loss = model.forward_backward(ctx, inputs, targets);
+          if (step == 0) first = loss;
+          if (scaling) scaling->end_micro_batch(ctx);
+          optimizer.step(ctx, oc.lr);
+          if (scaling) scaling->end_step(ctx);
+        }
+        ASSERT_TRUE(std::isfinite(loss)) << arch << " " << recipe << " fp8=" << use_fp8;
+        EXPECT_LT(loss, 0.7 * first) << arch << " " << recipe << " fp8=" << use_fp8;
+        final_loss.push_back(loss);
+      }
+      EXPECT_LT(std::abs(final_loss[1] - final_loss[0]), 0.1 * final_loss[0] + 0.05) << arch << " " << recipe;
+    }
+  }
+}
