@@ -15,7 +15,10 @@ CUDA synchronize (tessera's step ends with the loss on the host anyway). MFU is 
 torch.cuda.max_memory_reserved for PyTorch and the caching allocator's highwater mark
 for tessera (both: memory the process held).
 
-    python3 bench/gpu_train_step.py --build build-gpu [--models gpt2,llama] [--compile]
+    python3 bench/gpu_train_step.py --build build-gpu [--models gpt2,llama] [--compile] [--fp8 delayed]
+
+With --fp8 RECIPE, tessera also runs with the blocks' linear layers in FP8 (the rows' last
+column is then tessera BF16 against each row, so an FP8 speed-up shows as a ratio below 1).
 """
 import argparse
 import json
@@ -146,14 +149,16 @@ def run_torch(name, batch, seq, compile_model, warmup, steps):
 VOCAB = {"gpt2": 50257, "gpt2-v50304": 50304, "llama": 128256}
 
 
-def run_tessera(build, name, batch, seq, warmup, steps):
+def run_tessera(build, name, batch, seq, warmup, steps, fp8=None):
     model = "llama3.2-1b" if name == "llama" else "gpt2-124m"
     cmd = [os.path.join(build, "bench_train_step"), "--model", model, "--device", "cuda", "--precision", "bf16",
            "--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup),
            "--vocab", str(VOCAB[name])]
+    if fp8:
+        cmd += ["--fp8", fp8]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     result = json.loads(out)
-    result["impl"] = "tessera bf16"
+    result["impl"] = f"tessera fp8 ({fp8} scaling)" if fp8 else "tessera bf16"
     return result
 
 
@@ -162,6 +167,8 @@ def main():
     ap.add_argument("--build", default="build")
     ap.add_argument("--models", default="gpt2,gpt2-v50304,llama")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile")
+    ap.add_argument("--fp8", action="append", default=[], choices=["current", "delayed"],
+                    help="also time tessera with the blocks' linears in FP8 under this recipe (repeatable)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -170,6 +177,8 @@ def main():
     for name in args.models.split(","):
         batch, seq = shapes[name]
         results = [run_tessera(args.build, name, batch, seq, args.warmup, args.steps)]
+        for recipe in args.fp8:
+            results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, fp8=recipe))
         results.append(run_torch(name, batch, seq, False, args.warmup, args.steps))
         if args.compile:
             results.append(run_torch(name, batch, seq, True, args.warmup, args.steps))

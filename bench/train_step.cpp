@@ -18,6 +18,7 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/core/philox.h"
+#include "tessera/models/fp8_model.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/train/optimizer.h"
 
@@ -62,6 +63,10 @@ int main(int argc, char** argv) {
   app.add_option("--seq", seq)->capture_default_str();
   app.add_option("--steps", steps)->capture_default_str();
   app.add_option("--warmup", warmup)->capture_default_str();
+  std::string fp8_recipe;
+  app.add_option("--fp8", fp8_recipe,
+                 "Run the blocks' linear layers in FP8 with this recipe: current or delayed (needs --precision bf16)")
+      ->check(CLI::IsMember({"current", "delayed"}));
   bool profile = false;
   app.add_flag("--profile", profile,
                "Mark the last step for a profiler started with profiling off (ncu --profile-from-start off; "
@@ -76,6 +81,11 @@ int main(int argc, char** argv) {
     model.to(ctx.device);
     model.init(ctx, 1);
     train::Optimizer optimizer(model.parameters(), {});
+    std::shared_ptr<nn::Fp8Scaling> fp8_state;
+    if (!fp8_recipe.empty()) {
+      if (precision != "bf16") throw std::runtime_error("--fp8 needs --precision bf16");
+      fp8_state = models::enable_fp8(ctx, model, fp8::Recipe::from_json({{"recipe", fp8_recipe}}));
+    }
     Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
     for (int64_t i = 0; i < batch * seq; ++i) {
       inputs.data<int32_t>()[i] = static_cast<int32_t>(philox_word(7, 0, 2 * i) % config.vocab_size);
@@ -91,7 +101,9 @@ int main(int argc, char** argv) {
       const auto start = std::chrono::steady_clock::now();
       model.zero_grad();
       loss = model.forward_backward(ctx, inputs, targets);
+      if (fp8_state) fp8_state->end_micro_batch(ctx);
       optimizer.step(ctx, 1e-4);
+      if (fp8_state) fp8_state->end_step(ctx);
       synchronize(ctx);
 #if TESSERA_WITH_CUDA
       if (profiled) cudaProfilerStop();
@@ -104,7 +116,7 @@ int main(int argc, char** argv) {
     const double tokens_per_s = batch * seq / median;
     nlohmann::json out = {{"impl", "tessera"},
                           {"device", device},
-                          {"precision", precision},
+                          {"precision", fp8_recipe.empty() ? precision : "fp8-" + fp8_recipe},
                           {"params", model.num_parameters()},
                           {"median_step_s", median},
                           {"min_step_s", times.front()},
