@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_timing.h"
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_cudnn.h"
 #include "tessera/core/allocator.h"
@@ -49,37 +50,7 @@ struct Summary {
 };
 std::vector<Summary> summaries;
 
-#define CHECK_CUDA(call)                                                            \
-  do {                                                                              \
-    cudaError_t e_ = (call);                                                        \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
 
-// Median milliseconds of `runs` timed calls after `warmup` untimed ones.
-double median_ms(const std::function<void()>& fn, int runs, int warmup = 5) {
-  for (int i = 0; i < warmup; ++i) fn();
-  CHECK_CUDA(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < runs; ++i) {
-    CHECK_CUDA(cudaEventRecord(start));
-    fn();
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 double rel_error(const Tensor& got, const Tensor& want) {
   const std::vector<double> g = got.to(Device::cpu()).to_doubles(), w = want.to(Device::cpu()).to_doubles();

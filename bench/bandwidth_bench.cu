@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "gpu_timing.h"
 #include "backend/cuda/copy.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/random.h"
@@ -50,14 +51,6 @@ using namespace tessera;
 
 namespace {
 
-#define CHECK_CUDA(call)                                                                            \
-  do {                                                                                              \
-    cudaError_t e_ = (call);                                                                        \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
 
 int g_runs = 30;
 const char* g_filter = nullptr;
@@ -65,27 +58,6 @@ const Device kGpu = Device::cuda();
 const Device kCpu = Device::cpu();
 constexpr float kEps = 1e-5f;
 
-double median_ms(const std::function<void()>& fn, int runs, int warmup = 5) {
-  for (int i = 0; i < warmup; ++i) fn();
-  CHECK_CUDA(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < runs; ++i) {
-    CHECK_CUDA(cudaEventRecord(start));
-    fn();
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 // ---- Checks --------------------------------------------------------------------------------
 

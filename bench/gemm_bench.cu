@@ -26,6 +26,7 @@
 #include <functional>
 #include <vector>
 
+#include "gpu_timing.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/random.h"
 #include "tessera/fp8/block_quantized_tensor.h"
@@ -39,14 +40,6 @@ using namespace tessera::fp8;
 
 namespace {
 
-#define CHECK_CUDA(call)                                                                             \
-  do {                                                                                               \
-    cudaError_t e_ = (call);                                                                         \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 enum class Kind { Forward, DGrad, WGrad };
 
@@ -56,27 +49,6 @@ struct Problem {
   Kind kind;
 };
 
-double median_ms(const std::function<void()>& fn, int runs, int warmup = 5) {
-  for (int i = 0; i < warmup; ++i) fn();
-  CHECK_CUDA(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < runs; ++i) {
-    CHECK_CUDA(cudaEventRecord(start));
-    fn();
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 // sums[0] += sum (got - want)^2, sums[1] += sum want^2 (double; one atomic per block).
 __global__ void error_sums(const float* got, const float* want, int64_t n, double* sums) {

@@ -24,39 +24,13 @@
 
 #include "cuda_backend.h"
 #include "cuda_check.h"
-
-#define TESSERA_CUBLAS_CHECK(call)                                                               \
-  do {                                                                                           \
-    cublasStatus_t tessera_cublas_status = (call);                                               \
-    if (tessera_cublas_status != CUBLAS_STATUS_SUCCESS)                                          \
-      TESSERA_FAIL("cuBLASLt error in ", #call, ": ", cublasGetStatusString(tessera_cublas_status)); \
-  } while (0)
+#include "cublaslt_state.h"
 
 namespace tessera::cuda {
 
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-
-struct LtState {
-  cublasLtHandle_t handle = nullptr;
-  Tensor workspace;
-};
-
-// One handle and workspace per device, made on first use and kept for the process.
-LtState& lt_state(int device) {
-  static std::mutex mutex;
-  static LtState* states[64] = {};
-  std::lock_guard<std::mutex> lock(mutex);
-  TESSERA_CHECK(device >= 0 && device < 64, "gemm: device index ", device, " out of range");
-  if (!states[device]) {
-    auto* s = new LtState();
-    TESSERA_CUBLAS_CHECK(cublasLtCreate(&s->handle));
-    s->workspace = Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::U8, Device::cuda(device));
-    states[device] = s;
-  }
-  return *states[device];
-}
+constexpr size_t kWorkspaceBytes = kLtWorkspaceBytes;
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {

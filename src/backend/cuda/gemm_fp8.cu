@@ -26,9 +26,11 @@
 #include <sstream>
 #include <tuple>
 
+#include "cublaslt_state.h"
 #include "cuda_check.h"
 #include "gemm_fp8.h"
 
+// cuBLASLt failures name the FP8 GEMM (the shared TESSERA_CUBLAS_CHECK names only the call).
 #define TESSERA_CUBLASLT_CHECK(call)                                                                 \
   do {                                                                                               \
     cublasStatus_t tessera_cublas_status = (call);                                                   \
@@ -40,26 +42,7 @@ namespace tessera::cuda {
 
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-
-struct LtState {
-  cublasLtHandle_t handle = nullptr;
-  Tensor workspace;
-};
-
-LtState& lt_state(int device) {
-  static std::mutex mutex;
-  static LtState* states[64] = {};
-  std::lock_guard<std::mutex> lock(mutex);
-  TESSERA_CHECK(device >= 0 && device < 64, "fp8_gemm: device index ", device, " out of range");
-  if (!states[device]) {
-    auto* s = new LtState();
-    TESSERA_CUBLASLT_CHECK(cublasLtCreate(&s->handle));
-    s->workspace = Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::U8, Device::cuda(device));
-    states[device] = s;
-  }
-  return *states[device];
-}
+constexpr size_t kWorkspaceBytes = kLtWorkspaceBytes;
 
 cudaDataType_t lt_type(DType t) {
   switch (t) {

@@ -1,0 +1,22 @@
+// See cublaslt_state.h.
+#include "cublaslt_state.h"
+
+#include <mutex>
+
+namespace tessera::cuda {
+
+LtState& lt_state(int device) {
+  static std::mutex mutex;
+  static LtState* states[64] = {};  // leaked on purpose, like the allocators: used until exit
+  std::lock_guard<std::mutex> lock(mutex);
+  TESSERA_CHECK(device >= 0 && device < 64, "cuBLASLt: device index ", device, " out of range");
+  if (!states[device]) {
+    auto* s = new LtState();
+    TESSERA_CUBLAS_CHECK(cublasLtCreate(&s->handle));
+    s->workspace = Tensor::empty({static_cast<int64_t>(kLtWorkspaceBytes)}, DType::U8, Device::cuda(device));
+    states[device] = s;
+  }
+  return *states[device];
+}
+
+}  // namespace tessera::cuda
