@@ -11,6 +11,9 @@
 #   bench          training step, tessera vs PyTorch eager: GPT-2 124M and Llama-3.2-1B-shaped
 #   bench-compile  the same with torch.compile as well (slower to run)
 #   attention      attention kernels, tessera vs PyTorch SDPA backends
+#   fp8            FP8 GEMMs against BF16 (bench_gemm), and the Llama step with FP8 linears
+#                  (current and delayed scaling) against tessera BF16 and PyTorch eager
+#   bandwidth      norm / elementwise / loss / FP8-cast kernels against the copy bandwidth
 #   profile        where the time of a training step goes, kernel by kernel (ncu), GPT-2 and Llama
 #   demo           `tessera train configs/demo.yaml --device cuda` end to end (sample + plot);
 #                  the text is data/kjv.txt when present, else the repository's docs
@@ -117,6 +120,19 @@ if want attention && [ -x build-gpu/bench_attention ]; then
   log "attention: tessera vs PyTorch SDPA"
   build-gpu/bench_attention 2>&1 | tee "$out/bench-attention.log"
   python3 bench/attention_torch.py 2>&1 | tee -a "$out/bench-attention.log"
+fi
+
+if want fp8; then
+  log "FP8: GEMMs, then the Llama step with FP8 linears"
+  build-gpu/bench_gemm 2>&1 | tee "$out/bench-gemm.log"
+  python3 bench/gpu_train_step.py --build build-gpu --models llama --fp8 current --fp8 delayed 2>&1 |
+    tee "$out/bench-fp8-train-step.log"
+fi
+
+if want bandwidth; then
+  log "bandwidth: norm / elementwise / loss / FP8 casts at 16384x4096 BF16 vs cudaMemcpy and PyTorch"
+  build-gpu/bench_bandwidth 2>&1 | tee "$out/bench-bandwidth.log"
+  python3 bench/bandwidth_torch.py 2>&1 | tee -a "$out/bench-bandwidth.log"
 fi
 
 if want profile; then
