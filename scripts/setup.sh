@@ -11,6 +11,7 @@ packages=(
   libcli11-dev             # command-line parsing
   libgtest-dev             # tests
   zlib1g-dev               # PNG compression (tessera plot)
+  libopenmpi-dev openmpi-bin  # MPI: dist/'s CPU backend and the mpirun tests
 )
 
 missing=()

@@ -8,11 +8,16 @@
 // `saved` struct belongs to the caller, so several micro-batches can be in flight.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "tessera/core/context.h"
 #include "tessera/core/tensor.h"
+
+namespace tessera::dist {
+class ProcessGroup;  // tessera/dist/process_group.h
+}
 
 namespace tessera::nn {
 
@@ -44,11 +49,15 @@ struct Parameter {
 inline DType master_dtype(DType compute) { return compute == DType::F64 ? DType::F64 : DType::F32; }
 
 // Sizes and ranks of the parallel groups. Everything is 1 / 0 on a single device; every
-// module takes one so that none assumes it runs alone.
+// module takes one so that none assumes it runs alone. The groups are null on a single
+// device; dist::ParallelGrid::context() fills them (the tensor-parallel layers in
+// nn/parallel_linear.h need tensor_group when tensor_size > 1).
 struct ParallelContext {
   int data_size = 1, data_rank = 0;
   int tensor_size = 1, tensor_rank = 0;
   int pipeline_size = 1, pipeline_rank = 0;
+  bool sequence_parallel = false;  // activations outside the TP regions split along rows
+  std::shared_ptr<dist::ProcessGroup> data_group, tensor_group, pipeline_group;
   bool single_device() const { return data_size * tensor_size * pipeline_size == 1; }
 };
 

@@ -1,0 +1,166 @@
+// Times a data-parallel training step (forward, backward, gradient reduction, AdamW) on
+// random tokens, one process per rank:
+//
+//   mpirun -np 2 bench_dist_train_step --model llama3.2-1b --device cuda --precision bf16 --batch 4 --seq 2048
+//   mpirun -np 4 --oversubscribe bench_dist_train_step --model '{"architecture":"gpt2",...}' --device cpu
+//
+// CPU ranks reduce over MPI; CUDA ranks over NCCL (bootstrapped by MPI), rank r on GPU
+// (local rank % GPUs). --batch is per rank (weak scaling). --zero1 uses the distributed
+// optimizer instead of DataParallel + AdamW; --no-reduce skips the gradient reduction (the
+// compute-only baseline: tokens/s per GPU with it, against without, is the weak-scaling
+// efficiency). Rank 0 prints one JSON line with the median step time and tokens/s per rank
+// and in all; the loss is averaged over the ranks.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include "tessera/core/allocator.h"
+#include "tessera/core/philox.h"
+#include "tessera/dist/data_parallel.h"
+#include "tessera/dist/distributed_optimizer.h"
+#include "tessera/dist/nccl_group.h"
+#include "tessera/models/transformer_lm.h"
+#include "tessera/train/optimizer.h"
+
+#if TESSERA_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "backend/cuda/cuda_backend.h"
+#endif
+
+using namespace tessera;
+
+namespace {
+
+models::ModelConfig named_or_json(const std::string& text) {
+  if (text == "gpt2-124m") return models::ModelConfig::gpt2_124m();
+  if (text == "llama3.2-1b") return models::ModelConfig::llama32_1b();
+  return models::ModelConfig::from_json(nlohmann::json::parse(text));
+}
+
+int local_rank(int world_rank) {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK"})
+    if (const char* v = std::getenv(name)) return std::atoi(v);
+  return world_rank;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Time a data-parallel training step on random tokens (run under mpirun)"};
+  std::string model_json, device = "cpu", precision = "fp32";
+  int64_t batch = 4, seq = 256, steps = 10, warmup = 2, vocab = 0;
+  size_t bucket_mb = 25;
+  bool zero1 = false, no_reduce = false;
+  app.add_option("--model", model_json, "gpt2-124m, llama3.2-1b, or a model config as JSON")->required();
+  app.add_option("--vocab", vocab, "Override the model's vocabulary size");
+  app.add_option("--device", device)->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--precision", precision)->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--batch", batch, "Sequences per rank")->capture_default_str();
+  app.add_option("--seq", seq)->capture_default_str();
+  app.add_option("--steps", steps)->capture_default_str();
+  app.add_option("--warmup", warmup)->capture_default_str();
+  app.add_option("--bucket-mb", bucket_mb, "DataParallel bucket size")->capture_default_str();
+  app.add_flag("--zero1", zero1, "Shard the optimizer state (dist::DistributedOptimizer)");
+  app.add_flag("--no-reduce", no_reduce, "Skip the gradient reduction (compute-only baseline)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    dist::GroupPtr world = dist::init_from_env();
+    dist::GroupPtr group = world;
+    Context ctx = Context::cpu();
+    if (device == "cuda") {
+#if TESSERA_WITH_CUDA
+      int count = 0;
+      cudaGetDeviceCount(&count);
+      if (count == 0) throw std::runtime_error("--device cuda: no GPU present");
+      const int index = local_rank(world->rank()) % count;
+      cudaSetDevice(index);
+      ctx = Context::cuda(index);
+      group = dist::nccl_group(ctx, *world, index);
+#else
+      throw std::runtime_error("--device cuda: this build has no CUDA backend");
+#endif
+    }
+    models::ModelConfig config = named_or_json(model_json);
+    if (vocab > 0) config.vocab_size = vocab;
+    models::TransformerLM model(config, precision == "bf16" ? DType::BF16 : DType::F32);
+    model.to(ctx.device);
+    model.init(ctx, 1);
+    std::unique_ptr<dist::DataParallel> dp;
+    std::unique_ptr<train::Optimizer> optimizer;
+    std::unique_ptr<dist::DistributedOptimizer> sharded;
+    if (zero1) {
+      sharded = std::make_unique<dist::DistributedOptimizer>(ctx, model.parameters(), group, train::OptimizerConfig{});
+    } else {
+      dp = std::make_unique<dist::DataParallel>(ctx, model.parameters(), group,
+                                                dist::DataParallelOptions{.bucket_bytes = bucket_mb << 20});
+      optimizer = std::make_unique<train::Optimizer>(model.parameters(), train::OptimizerConfig{});
+    }
+    Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
+    const uint64_t stream = static_cast<uint64_t>(world->rank());
+    for (int64_t i = 0; i < batch * seq; ++i) {
+      inputs.data<int32_t>()[i] = static_cast<int32_t>(philox_word(7, stream, 2 * i) % config.vocab_size);
+      targets.data<int32_t>()[i] = static_cast<int32_t>(philox_word(7, stream, 2 * i + 1) % config.vocab_size);
+    }
+    std::vector<double> times;
+    double loss = 0;
+    for (int64_t s = 0; s < warmup + steps; ++s) {
+      world->barrier();
+      const auto start = std::chrono::steady_clock::now();
+      model.zero_grad();
+      loss = model.forward_backward(ctx, inputs, targets);
+      if (sharded) {
+        sharded->step(ctx, 1e-4);
+      } else {
+        if (!no_reduce) dp->all_reduce_gradients(ctx);
+        optimizer->step(ctx, 1e-4);
+      }
+      synchronize(ctx);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (s >= warmup) times.push_back(seconds);
+    }
+    // The slowest rank sets the pace: the median over steps of the maximum over ranks.
+    Tensor step_times = Tensor::from_doubles(times, {static_cast<int64_t>(times.size())});
+    Tensor losses = Tensor::from_doubles({loss}, {1});
+    Context cpu = Context::cpu();
+    if (group->size() > 1 && std::string(world->backend()) == "mpi") {
+      world->all_reduce(cpu, step_times, dist::ReduceOp::Max);
+      world->all_reduce(cpu, losses, dist::ReduceOp::Avg);
+    }
+    std::vector<double> slowest = step_times.to_doubles();
+    std::sort(slowest.begin(), slowest.end());
+    const double median = slowest[slowest.size() / 2];
+    if (world->rank() == 0) {
+      nlohmann::json out = {{"impl", "tessera"},
+                            {"mode", zero1 ? "dp-zero1" : (no_reduce ? "dp-no-reduce" : "dp")},
+                            {"ranks", world->size()},
+                            {"backend", group->backend()},
+                            {"device", device},
+                            {"precision", precision},
+                            {"params", model.num_parameters()},
+                            {"batch_per_rank", batch},
+                            {"seq", seq},
+                            {"median_step_s", median},
+                            {"tokens_per_s_per_rank", double(batch * seq) / median},
+                            {"tokens_per_s", double(batch * seq * world->size()) / median},
+                            {"loss", losses.item(0)}};
+      if (dp) out["buckets"] = dp->buckets().size();
+#if TESSERA_WITH_CUDA
+      if (ctx.device.is_cuda())
+        out["peak_memory_gib"] = double(cuda::allocator_stats(ctx.device.index).peak_bytes_reserved) / (1ull << 30);
+#endif
+      std::printf("%s\n", out.dump().c_str());
+    }
+    group.reset();
+    world.reset();
+    dist::finalize();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_dist_train_step: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

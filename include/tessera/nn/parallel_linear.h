@@ -1,0 +1,148 @@
+// Tensor-parallel linear layers (Megatron-style) and the MLP built from them.
+//
+// ColumnParallelLinear splits W [out, in] by rows (output features): rank r holds
+// out/tp of them and computes its slice of y. RowParallelLinear splits W by columns (input
+// features): rank r takes its slice of x and produces a partial y that the group sums.
+// Column -> (elementwise) -> Row needs one collective per direction:
+//   forward:  identity before Column ("f"),  all-reduce after Row ("g")
+//   backward: all-reduce of Column's dx ("f"), identity for Row ("g")
+// With sequence parallelism (ParallelContext::sequence_parallel) the activations outside the
+// pair are split along rows (tokens) across the group instead of replicated:
+//   forward:  all-gather rows before Column,  reduce-scatter rows after Row
+//   backward: reduce-scatter Column's dx,     all-gather Row's dy
+// so the norms and residual adds between blocks work on N/tp rows each. N must be a
+// multiple of tp. Inputs and outputs are 2-D [rows, features], as nn::Linear.
+//
+// Gradient rules as everywhere in nn/: backward_input overwrites (returns a new dx),
+// backward_weight accumulates. A replicated bias (RowParallelLinear's) gets the same
+// gradient on every rank (it is computed from the full dy), so it needs no extra reduction.
+#pragma once
+
+#include "tessera/nn/attention.h"
+#include "tessera/nn/mlp.h"
+#include "tessera/nn/parameter.h"
+
+namespace tessera::nn {
+
+class ColumnParallelLinear {
+ public:
+  struct Saved {
+    Tensor x;  // the full input [N, in] (gathered under sequence parallelism)
+  };
+  // `parts`: the output features are `parts` equal blocks each split across the ranks (2 for
+  // SwiGLU's [gate | up], 3 for a fused [q | k | v] of equal widths), so that every rank
+  // holds matching slices of each block, side by side.
+  ColumnParallelLinear(const std::string& name, int64_t in_features, int64_t out_features, bool bias, DType dtype,
+                       const ParallelContext& parallel, int parts = 1);
+  // Unequal blocks (a fused [q | k | v] with fewer K/V heads, GQA): `blocks` are the widths,
+  // summing to out_features, each divisible by the tensor-parallel size.
+  ColumnParallelLinear(const std::string& name, int64_t in_features, const std::vector<int64_t>& blocks, bool bias,
+                       DType dtype, const ParallelContext& parallel);
+
+  Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;            // -> [N, out/tp]
+  Tensor backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const;  // -> dx, reduced
+  void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
+  void parameters(ParameterList& out);
+
+  // Fills this rank's shard from the full weight [out, in] and bias [out] (bias may be
+  // undefined), any device: for tests, imports and resharding.
+  void load_full(Context& ctx, const Tensor& full_weight, const Tensor& full_bias);
+  // The rows of the full weight this rank holds, in the order it holds them.
+  std::vector<std::pair<int64_t, int64_t>> shard_rows() const;
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }       // full
+  int64_t local_out_features() const { return out_ / tp_; }
+  Parameter weight, bias;  // [out/tp, in], [out/tp]
+
+ private:
+  int64_t in_, out_;
+  int tp_, rank_;
+  std::vector<int64_t> blocks_;
+  bool sequence_parallel_;
+  std::shared_ptr<dist::ProcessGroup> group_;
+};
+
+class RowParallelLinear {
+ public:
+  struct Saved {
+    Tensor x;        // the local input [N, in/tp]
+    Tensor dy_full;  // sequence parallel: the gathered dy, kept by backward_input for backward_weight
+  };
+  RowParallelLinear(const std::string& name, int64_t in_features, int64_t out_features, bool bias, DType dtype,
+                    const ParallelContext& parallel);
+
+  Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;        // [N, in/tp] -> [N, out] (SP: [N/tp, out])
+  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;  // -> dx [N, in/tp]
+  void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
+  void parameters(ParameterList& out);
+
+  void load_full(Context& ctx, const Tensor& full_weight, const Tensor& full_bias);
+
+  int64_t in_features() const { return in_; }  // full
+  int64_t out_features() const { return out_; }
+  int64_t local_in_features() const { return in_ / tp_; }
+  Parameter weight, bias;  // [out, in/tp], [out] (replicated)
+
+ private:
+  int64_t in_, out_;
+  int tp_, rank_;
+  bool sequence_parallel_;
+  std::shared_ptr<dist::ProcessGroup> group_;
+};
+
+// MLP with the first projection column-parallel and the second row-parallel: the same
+// function as nn::MLP, with ffn/tp hidden features per rank.
+class TensorParallelMLP {
+ public:
+  struct Saved {
+    ColumnParallelLinear::Saved fc_in;
+    RowParallelLinear::Saved proj_in;
+    Tensor h_pre;  // fc output, before the activation
+    Tensor d_h_pre;
+  };
+  TensorParallelMLP(const std::string& name, int64_t hidden, int64_t ffn, Activation activation, bool bias,
+                    DType dtype, const ParallelContext& parallel);
+
+  Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;
+  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;
+  void backward_weight(Context& ctx, const Tensor& dy, Saved& saved);
+  void parameters(ParameterList& out);
+  // Shards a single-device MLP's weights into this rank's part.
+  void load_full(Context& ctx, MLP& full);
+
+  Activation activation;
+  ColumnParallelLinear fc;
+  RowParallelLinear proj;
+};
+
+// Self-attention with the heads split across the tensor-parallel ranks: each rank projects
+// and attends with num_heads/tp query heads and num_kv_heads/tp K/V heads (both must divide
+// by tp, so a rank's query heads share only its own K/V heads under GQA), then the
+// row-parallel output projection sums the ranks' shares. Same function as nn::SelfAttention.
+class TensorParallelSelfAttention {
+ public:
+  struct Saved {
+    ColumnParallelLinear::Saved qkv_in;
+    RowParallelLinear::Saved out_in;
+    Tensor q, k, v, out, lse, d_qkv;
+  };
+  TensorParallelSelfAttention(const std::string& name, const AttentionConfig& config, DType dtype,
+                              const ParallelContext& parallel);
+
+  // x is [B*T, hidden], or under sequence parallelism this rank's B*T/tp rows of it.
+  Tensor forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const;
+  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;
+  void backward_weight(Context& ctx, const Tensor& dy, Saved& saved);
+  void parameters(ParameterList& out);
+  void load_full(Context& ctx, SelfAttention& full);
+
+  ColumnParallelLinear qkv;
+  RowParallelLinear proj;
+
+ private:
+  AttentionConfig config_;
+  int64_t head_dim_, local_heads_, local_kv_heads_;
+};
+
+}  // namespace tessera::nn

@@ -1,0 +1,310 @@
+// Tensor- and sequence-parallel linear layers (see tessera/nn/parallel_linear.h).
+#include "tessera/nn/parallel_linear.h"
+
+#include "tessera/dist/process_group.h"
+#include "tessera/ops/activation.h"
+#include "tessera/ops/attention.h"
+#include "tessera/ops/rope.h"
+#include "tessera/ops/gemm.h"
+
+namespace tessera::nn {
+namespace {
+
+std::shared_ptr<dist::ProcessGroup> tensor_group_of(const ParallelContext& parallel, const std::string& name) {
+  if (parallel.tensor_size == 1) return parallel.tensor_group ? parallel.tensor_group : dist::local_group();
+  TESSERA_CHECK(parallel.tensor_group != nullptr && parallel.tensor_group->size() == parallel.tensor_size,
+                name, ": tensor_size ", parallel.tensor_size, " needs its tensor_group (dist::ParallelGrid::context())");
+  return parallel.tensor_group;
+}
+
+// Rows [r * n/tp, (r+1) * n/tp) of a [n, ...] tensor gathered along dimension 0.
+Tensor gather_rows(Context& ctx, dist::ProcessGroup& group, const Tensor& local) {
+  Shape shape = local.shape();
+  shape[0] *= group.size();
+  Tensor full = Tensor::empty(shape, local.dtype(), ctx.device);
+  group.all_gather(ctx, local.contiguous(), full);
+  return full;
+}
+
+Tensor reduce_scatter_rows(Context& ctx, dist::ProcessGroup& group, const Tensor& full, const char* what) {
+  TESSERA_CHECK(full.size(0) % group.size() == 0, what, ": sequence parallelism needs rows (", full.size(0),
+                ") divisible by the tensor-parallel size ", group.size());
+  Shape shape = full.shape();
+  shape[0] /= group.size();
+  Tensor local = Tensor::empty(shape, full.dtype(), ctx.device);
+  group.reduce_scatter(ctx, full, local);
+  return local;
+}
+
+void check_divisible(int64_t n, int64_t by, const std::string& name, const char* what) {
+  TESSERA_CHECK(n % by == 0, name, ": ", what, " ", n, " is not divisible by ", by);
+}
+
+}  // namespace
+
+// ---- ColumnParallelLinear ----
+
+namespace {
+std::vector<int64_t> equal_blocks(int64_t out, int parts, const std::string& name) {
+  TESSERA_CHECK(parts >= 1 && out % parts == 0, "ColumnParallelLinear ", name, ": out_features ", out,
+                " is not ", parts, " equal blocks");
+  return std::vector<int64_t>(static_cast<size_t>(parts), out / parts);
+}
+}  // namespace
+
+ColumnParallelLinear::ColumnParallelLinear(const std::string& name, int64_t in_features, int64_t out_features,
+                                           bool has_bias, DType dtype, const ParallelContext& parallel, int parts)
+    : ColumnParallelLinear(name, in_features, equal_blocks(out_features, parts, name), has_bias, dtype, parallel) {}
+
+ColumnParallelLinear::ColumnParallelLinear(const std::string& name, int64_t in_features,
+                                           const std::vector<int64_t>& blocks, bool has_bias, DType dtype,
+                                           const ParallelContext& parallel)
+    : in_(in_features),
+      out_(0),
+      tp_(parallel.tensor_size),
+      rank_(parallel.tensor_rank),
+      blocks_(blocks),
+      sequence_parallel_(parallel.sequence_parallel && parallel.tensor_size > 1),
+      group_(tensor_group_of(parallel, name)) {
+  TESSERA_CHECK(in_features > 0 && !blocks.empty(), "ColumnParallelLinear ", name, ": bad sizes");
+  for (int64_t b : blocks_) {
+    TESSERA_CHECK(b > 0, "ColumnParallelLinear ", name, ": block widths must be positive");
+    check_divisible(b, tp_, name, "output block");
+    out_ += b;
+  }
+  weight = Parameter(name + ".weight", {out_ / tp_, in_}, dtype, true);
+  if (has_bias) bias = Parameter(name + ".bias", {out_ / tp_}, dtype, false);
+}
+
+std::vector<std::pair<int64_t, int64_t>> ColumnParallelLinear::shard_rows() const {
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  int64_t start = 0;
+  for (int64_t block : blocks_) {
+    const int64_t slice = block / tp_;
+    rows.emplace_back(start + rank_ * slice, start + (rank_ + 1) * slice);
+    start += block;
+  }
+  return rows;
+}
+
+void ColumnParallelLinear::load_full(Context& ctx, const Tensor& full_weight, const Tensor& full_bias) {
+  check_shape(full_weight, {out_, in_}, "ColumnParallelLinear::load_full", "full_weight");
+  int64_t at = 0;
+  for (auto [begin, end] : shard_rows()) {
+    weight.weights().slice(0, at, at + end - begin).copy_from(full_weight.slice(0, begin, end));
+    if (bias.value.defined()) {
+      check_shape(full_bias, {out_}, "ColumnParallelLinear::load_full", "full_bias");
+      bias.weights().slice(0, at, at + end - begin).copy_from(full_bias.slice(0, begin, end));
+    }
+    at += end - begin;
+  }
+  weight.refresh_value(ctx);
+  if (bias.value.defined()) bias.refresh_value(ctx);
+}
+
+Tensor ColumnParallelLinear::forward(Context& ctx, const Tensor& x, Saved& saved) const {
+  TESSERA_CHECK(x.dim() == 2 && x.size(1) == in_, "ColumnParallelLinear ", weight.name, ": input must be [N, ", in_,
+                "], got ", x.describe());
+  saved.x = sequence_parallel_ ? gather_rows(ctx, *group_, x) : x;
+  Tensor y = Tensor::empty({saved.x.size(0), out_ / tp_}, weight.value.dtype(), ctx.device);
+  gemm(ctx, saved.x, weight.value, y, {.transpose_b = true}, bias.value);
+  return y;
+}
+
+Tensor ColumnParallelLinear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const {
+  Tensor dx = Tensor::empty({saved.x.size(0), in_}, weight.value.dtype(), ctx.device);
+  gemm(ctx, dy, weight.value, dx);  // this rank's share of dx: its output features' part
+  if (tp_ == 1) return dx;
+  if (sequence_parallel_) return reduce_scatter_rows(ctx, *group_, dx, weight.name.c_str());
+  group_->all_reduce(ctx, dx);
+  return dx;
+}
+
+void ColumnParallelLinear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+  linear_weight_grad(ctx, dy, saved.x, weight.grad, bias.grad);
+}
+
+void ColumnParallelLinear::parameters(ParameterList& out) {
+  out.push_back(&weight);
+  if (bias.value.defined()) out.push_back(&bias);
+}
+
+// ---- RowParallelLinear ----
+
+RowParallelLinear::RowParallelLinear(const std::string& name, int64_t in_features, int64_t out_features, bool has_bias,
+                                     DType dtype, const ParallelContext& parallel)
+    : in_(in_features),
+      out_(out_features),
+      tp_(parallel.tensor_size),
+      rank_(parallel.tensor_rank),
+      sequence_parallel_(parallel.sequence_parallel && parallel.tensor_size > 1),
+      group_(tensor_group_of(parallel, name)) {
+  TESSERA_CHECK(in_features > 0 && out_features > 0, "RowParallelLinear ", name, ": bad sizes");
+  check_divisible(in_features, tp_, name, "in_features");
+  weight = Parameter(name + ".weight", {out_, in_ / tp_}, dtype, true);
+  if (has_bias) bias = Parameter(name + ".bias", {out_}, dtype, false);
+}
+
+void RowParallelLinear::load_full(Context& ctx, const Tensor& full_weight, const Tensor& full_bias) {
+  check_shape(full_weight, {out_, in_}, "RowParallelLinear::load_full", "full_weight");
+  const int64_t slice = in_ / tp_;
+  weight.weights().copy_from(full_weight.slice(1, rank_ * slice, (rank_ + 1) * slice));
+  weight.refresh_value(ctx);
+  if (bias.value.defined()) {
+    check_shape(full_bias, {out_}, "RowParallelLinear::load_full", "full_bias");
+    bias.weights().copy_from(full_bias);
+    bias.refresh_value(ctx);
+  }
+}
+
+Tensor RowParallelLinear::forward(Context& ctx, const Tensor& x, Saved& saved) const {
+  TESSERA_CHECK(x.dim() == 2 && x.size(1) == in_ / tp_, "RowParallelLinear ", weight.name, ": input must be [N, ",
+                in_ / tp_, "], got ", x.describe());
+  saved.x = x;
+  Tensor y = Tensor::empty({x.size(0), out_}, weight.value.dtype(), ctx.device);
+  // The bias joins on rank 0 only, so the sum over ranks holds it once.
+  gemm(ctx, x, weight.value, y, {.transpose_b = true}, rank_ == 0 ? bias.value : Tensor());
+  if (tp_ == 1) return y;
+  if (sequence_parallel_) return reduce_scatter_rows(ctx, *group_, y, weight.name.c_str());
+  group_->all_reduce(ctx, y);
+  return y;
+}
+
+Tensor RowParallelLinear::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
+  const Tensor& full = sequence_parallel_ ? (saved.dy_full = gather_rows(ctx, *group_, dy)) : dy;
+  Tensor dx = Tensor::empty({full.size(0), in_ / tp_}, weight.value.dtype(), ctx.device);
+  gemm(ctx, full, weight.value, dx);
+  return dx;
+}
+
+void RowParallelLinear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+  Tensor full = dy;
+  if (sequence_parallel_) full = saved.dy_full.defined() ? saved.dy_full : gather_rows(ctx, *group_, dy);
+  linear_weight_grad(ctx, full, saved.x, weight.grad, bias.grad);
+}
+
+void RowParallelLinear::parameters(ParameterList& out) {
+  out.push_back(&weight);
+  if (bias.value.defined()) out.push_back(&bias);
+}
+
+// ---- TensorParallelMLP ----
+
+TensorParallelMLP::TensorParallelMLP(const std::string& name, int64_t hidden, int64_t ffn, Activation act, bool has_bias,
+                                     DType dtype, const ParallelContext& parallel)
+    : activation(act),
+      fc(name + ".fc", hidden, act == Activation::SwiGLU ? 2 * ffn : ffn, has_bias, dtype, parallel,
+         act == Activation::SwiGLU ? 2 : 1),
+      proj(name + ".proj", ffn, hidden, has_bias, dtype, parallel) {}
+
+Tensor TensorParallelMLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
+  saved.h_pre = fc.forward(ctx, x, saved.fc_in);
+  Tensor h = Tensor::empty({saved.h_pre.size(0), proj.local_in_features()}, saved.h_pre.dtype(), ctx.device);
+  if (activation == Activation::GELU) {
+    gelu_forward(ctx, saved.h_pre, h);
+  } else {
+    swiglu_forward(ctx, saved.h_pre, h);
+  }
+  return proj.forward(ctx, h, saved.proj_in);
+}
+
+Tensor TensorParallelMLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
+  const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
+  saved.d_h_pre = Tensor::empty(saved.h_pre.shape(), d_h.dtype(), ctx.device);
+  if (activation == Activation::GELU) {
+    gelu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
+  } else {
+    swiglu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
+  }
+  return fc.backward_input(ctx, saved.d_h_pre, saved.fc_in);
+}
+
+void TensorParallelMLP::backward_weight(Context& ctx, const Tensor& dy, Saved& saved) {
+  proj.backward_weight(ctx, dy, saved.proj_in);
+  fc.backward_weight(ctx, saved.d_h_pre, saved.fc_in);
+}
+
+void TensorParallelMLP::parameters(ParameterList& out) {
+  fc.parameters(out);
+  proj.parameters(out);
+}
+
+void TensorParallelMLP::load_full(Context& ctx, MLP& full) {
+  TESSERA_CHECK(full.activation == activation, "TensorParallelMLP::load_full: activations differ");
+  fc.load_full(ctx, full.fc.weight.weights(), full.fc.bias.weights());
+  proj.load_full(ctx, full.proj.weight.weights(), full.proj.bias.weights());
+}
+
+// ---- TensorParallelSelfAttention ----
+
+namespace {
+int64_t local_count(int64_t n, int tp, const std::string& name, const char* what) {
+  TESSERA_CHECK(n % tp == 0, name, ": ", what, " (", n, ") must divide by the tensor-parallel size ", tp);
+  return n / tp;
+}
+}  // namespace
+
+TensorParallelSelfAttention::TensorParallelSelfAttention(const std::string& name, const AttentionConfig& c,
+                                                         DType dtype, const ParallelContext& parallel)
+    : qkv(name + ".qkv", c.hidden,
+          {c.num_heads * (c.hidden / c.num_heads), c.num_kv_heads * (c.hidden / c.num_heads),
+           c.num_kv_heads * (c.hidden / c.num_heads)},
+          c.bias, dtype, parallel),
+      proj(name + ".proj", c.hidden, c.hidden, c.bias, dtype, parallel),
+      config_(c),
+      head_dim_(c.hidden / c.num_heads),
+      local_heads_(local_count(c.num_heads, parallel.tensor_size, name, "num_heads")),
+      local_kv_heads_(local_count(c.num_kv_heads, parallel.tensor_size, name, "num_kv_heads")) {}
+
+void TensorParallelSelfAttention::load_full(Context& ctx, SelfAttention& full) {
+  qkv.load_full(ctx, full.qkv.weight.weights(), full.qkv.bias.weights());
+  proj.load_full(ctx, full.proj.weight.weights(), full.proj.bias.weights());
+}
+
+// As SelfAttention::forward, with this rank's heads.
+Tensor TensorParallelSelfAttention::forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq,
+                                            Saved& saved) const {
+  const int64_t hq = local_heads_, hkv = local_kv_heads_, d = head_dim_;
+  const Tensor fused = qkv.forward(ctx, x, saved.qkv_in).reshape({batch, seq, hq + 2 * hkv, d});
+  if (config_.rope) {
+    Tensor qk = fused.slice(2, 0, hq + hkv);
+    rope_forward(ctx, qk, qk, {.theta = config_.rope_theta});
+  }
+  saved.q = fused.slice(2, 0, hq);
+  saved.k = fused.slice(2, hq, hq + hkv);
+  saved.v = fused.slice(2, hq + hkv, hq + 2 * hkv);
+  const DType stats = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  saved.out = Tensor::empty({batch, seq, hq, d}, x.dtype(), ctx.device);
+  saved.lse = Tensor::empty({batch, hq, seq}, stats, ctx.device);
+  attention_forward(ctx, saved.q, saved.k, saved.v, saved.out, saved.lse, {.causal = config_.causal});
+  return proj.forward(ctx, saved.out.reshape({batch * seq, hq * d}), saved.out_in);
+}
+
+Tensor TensorParallelSelfAttention::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
+  const int64_t batch = saved.q.size(0), seq = saved.q.size(1);
+  const int64_t hq = local_heads_, hkv = local_kv_heads_, d = head_dim_;
+  const Tensor d_out = proj.backward_input(ctx, dy, saved.out_in).reshape({batch, seq, hq, d});
+  saved.d_qkv = Tensor::empty({batch, seq, hq + 2 * hkv, d}, d_out.dtype(), ctx.device);
+  Tensor dq = saved.d_qkv.slice(2, 0, hq), dk = saved.d_qkv.slice(2, hq, hq + hkv);
+  Tensor dv = saved.d_qkv.slice(2, hq + hkv, hq + 2 * hkv);
+  attention_backward(ctx, d_out, saved.q, saved.k, saved.v, saved.out, saved.lse, dq, dk, dv,
+                     {.causal = config_.causal});
+  if (config_.rope) {
+    Tensor d_qk = saved.d_qkv.slice(2, 0, hq + hkv);
+    rope_backward(ctx, d_qk, d_qk, {.theta = config_.rope_theta});
+  }
+  saved.d_qkv = saved.d_qkv.reshape({batch * seq, (hq + 2 * hkv) * d});
+  return qkv.backward_input(ctx, saved.d_qkv, saved.qkv_in);
+}
+
+void TensorParallelSelfAttention::backward_weight(Context& ctx, const Tensor& dy, Saved& saved) {
+  proj.backward_weight(ctx, dy, saved.out_in);
+  qkv.backward_weight(ctx, saved.d_qkv, saved.qkv_in);
+}
+
+void TensorParallelSelfAttention::parameters(ParameterList& out) {
+  qkv.parameters(out);
+  proj.parameters(out);
+}
+
+}  // namespace tessera::nn

@@ -1,0 +1,181 @@
+// The NCCL backend on CUDA tensors: collectives against a serial reference, sub-groups,
+// data-parallel gradient averaging and the tensor-parallel MLP. Skips without a GPU or
+// without NCCL. Alone it runs a world of one; under mpirun each rank takes GPU
+// (rank % device count), the MPI world bootstrapping the communicator:
+//   mpirun -np 2 build/test_gpu_dist_nccl
+#include "dist_testing.h"
+#include "gpu_testing.h"
+#include "tessera/dist/data_parallel.h"
+#include "tessera/dist/nccl_group.h"
+#include "tessera/dist/parallel_grid.h"
+#include "tessera/nn/parallel_linear.h"
+
+#if TESSERA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+using namespace tessera;
+using namespace tessera::testing;
+using dist::ReduceOp;
+
+namespace {
+
+#define REQUIRE_NCCL()                                                                 \
+  REQUIRE_GPU();                                                                       \
+  if (!dist::nccl_available()) GTEST_SKIP() << "no NCCL in this build: skipping NCCL test"
+
+int my_device() {
+  int count = 1;
+#if TESSERA_WITH_CUDA
+  cudaGetDeviceCount(&count);
+#endif
+  return test_world()->rank() % std::max(count, 1);
+}
+
+// Made once and never destroyed: destroying a communicator during static destruction, after
+// MPI_Finalize and maybe after the CUDA runtime's own teardown, is not safe.
+dist::GroupPtr nccl_world() {
+  static auto* group = new dist::GroupPtr([] {
+    Context cpu = Context::cpu();
+    return dist::nccl_group(cpu, *test_world(), my_device());
+  }());
+  return *group;
+}
+
+Context gpu_ctx() { return Context::cuda(my_device()); }
+
+Tensor rank_values(int rank, const Shape& shape, DType dtype, uint64_t seed) {
+  return random_tensor(shape, dtype, seed * 131 + static_cast<uint64_t>(rank));
+}
+
+}  // namespace
+
+TEST(GpuNccl, AllReduceSumAndAverageMatchTheSerialReference) {
+  REQUIRE_NCCL();
+  auto g = nccl_world();
+  Context ctx = gpu_ctx();
+  const int n = g->size();
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
+      for (int64_t numel : {int64_t{1}, int64_t{1000}, int64_t{1 << 20}}) {
+        Tensor t = rank_values(g->rank(), {numel}, dtype, 1).to(ctx.device);
+        g->all_reduce(ctx, t, op);
+        std::vector<double> want(static_cast<size_t>(numel), 0.0);
+        for (int r = 0; r < n; ++r) {
+          const auto v = rank_values(r, {numel}, dtype, 1).to_doubles();
+          for (size_t i = 0; i < want.size(); ++i)
+            want[i] = op == ReduceOp::Max ? (r == 0 ? v[i] : std::max(want[i], v[i])) : want[i] + v[i];
+        }
+        if (op == ReduceOp::Avg)
+          for (auto& w : want) w /= n;
+        const double tol = dtype == DType::BF16 ? 1e-2 : 1e-6;
+        EXPECT_LT(relative_error(doubles_of(t), want), tol) << dtype_name(dtype) << " " << dist::reduce_op_name(op);
+      }
+    }
+  }
+}
+
+TEST(GpuNccl, GatherScatterBroadcastAllToAllAndSplit) {
+  REQUIRE_NCCL();
+  auto g = nccl_world();
+  Context ctx = gpu_ctx();
+  const int n = g->size(), me = g->rank();
+  // all_gather
+  Tensor in = rank_values(me, {3, 4}, DType::F32, 2).to(ctx.device);
+  Tensor out = Tensor::empty({3 * n, 4}, DType::F32, ctx.device);
+  g->all_gather(ctx, in, out);
+  for (int r = 0; r < n; ++r)
+    EXPECT_EQ(doubles_of(out.slice(0, 3 * r, 3 * r + 3)), rank_values(r, {3, 4}, DType::F32, 2).to_doubles());
+  // reduce_scatter
+  Tensor big = rank_values(me, {2 * n, 5}, DType::F32, 3).to(ctx.device);
+  Tensor part = Tensor::empty({2, 5}, DType::F32, ctx.device);
+  g->reduce_scatter(ctx, big, part);
+  std::vector<double> want(10, 0.0);
+  for (int r = 0; r < n; ++r) {
+    const auto v = rank_values(r, {2 * n, 5}, DType::F32, 3).to_doubles();
+    for (size_t i = 0; i < 10; ++i) want[i] += v[static_cast<size_t>(me * 10) + i];
+  }
+  EXPECT_LT(relative_error(doubles_of(part), want), 1e-6);
+  // broadcast from the last rank
+  Tensor b = rank_values(me, {7}, DType::BF16, 4).to(ctx.device);
+  g->broadcast(ctx, b, n - 1);
+  EXPECT_EQ(doubles_of(b), rank_values(n - 1, {7}, DType::BF16, 4).to_doubles());
+  // all_to_all, uneven: rank r sends r + p + 1 rows to p, each row filled with 100 r + p
+  std::vector<int64_t> in_splits, out_splits;
+  std::vector<float> values;
+  for (int p = 0; p < n; ++p) {
+    in_splits.push_back(me + p + 1);
+    out_splits.push_back(p + me + 1);
+    for (int j = 0; j < me + p + 1; ++j) values.push_back(static_cast<float>(100 * me + p));
+  }
+  int64_t in_rows = 0, out_rows = 0;
+  for (int p = 0; p < n; ++p) {
+    in_rows += in_splits[static_cast<size_t>(p)];
+    out_rows += out_splits[static_cast<size_t>(p)];
+  }
+  Tensor a_in = Tensor::from_floats(values, {in_rows, 1}).to(ctx.device);
+  Tensor a_out = Tensor::empty({out_rows, 1}, DType::F32, ctx.device);
+  g->all_to_all(ctx, a_in, a_out, in_splits, out_splits);
+  const auto got = doubles_of(a_out);
+  size_t at = 0;
+  for (int p = 0; p < n; ++p)
+    for (int j = 0; j < p + me + 1; ++j) EXPECT_EQ(got[at++], 100.0 * p + me);
+  // split into a group of one per rank
+  auto single = g->split(me, 0);
+  ASSERT_NE(single, nullptr);
+  EXPECT_EQ(single->size(), 1);
+  EXPECT_EQ(single->world_ranks(), std::vector<int>{g->world_ranks()[static_cast<size_t>(me)]});
+  g->barrier();
+}
+
+TEST(GpuNccl, TensorParallelMlpMatchesTheSingleDeviceModule) {
+  REQUIRE_NCCL();
+  auto g = nccl_world();
+  Context ctx = gpu_ctx();
+  dist::ParallelGrid grid(ctx, g, {.data = 1, .tensor = g->size(), .pipeline = 1});
+  for (bool sp : {false, true}) {
+    const int64_t hidden = 64, ffn = 128, rows = 16;
+    nn::MLP full("mlp", hidden, ffn, nn::Activation::GELU, true, DType::F32);
+    for (nn::Parameter* p : {&full.fc.weight, &full.fc.bias, &full.proj.weight, &full.proj.bias})
+      p->weights().copy_from(random_tensor(p->weights().shape(), DType::F32, p->numel(), -0.2f, 0.2f));
+    nn::TensorParallelMLP mlp("mlp", hidden, ffn, nn::Activation::GELU, true, DType::F32,
+                              [&] { auto c = grid.context(); c.sequence_parallel = sp && g->size() > 1; return c; }());
+    Context cpu = Context::cpu();
+    mlp.load_full(cpu, full);
+    nn::ParameterList params;
+    mlp.parameters(params);
+    for (nn::Parameter* p : params) p->to(ctx.device);
+    const Tensor x = random_tensor({rows, hidden}, DType::F32, 5), dy = random_tensor({rows, hidden}, DType::F32, 6);
+    nn::MLP::Saved fs;
+    const Tensor y_ref = full.forward(cpu, x, fs);
+    const Tensor dx_ref = full.backward_input(cpu, dy, fs);
+    const int tp = g->size();
+    const int64_t local = sp && tp > 1 ? rows / tp : rows, first = sp && tp > 1 ? g->rank() * local : 0;
+    nn::TensorParallelMLP::Saved s;
+    const Tensor y = mlp.forward(ctx, x.slice(0, first, first + local).contiguous().to(ctx.device), s);
+    const Tensor dx = mlp.backward_input(ctx, dy.slice(0, first, first + local).contiguous().to(ctx.device), s);
+    EXPECT_LT(relative_error(doubles_of(y), doubles_of(y_ref.slice(0, first, first + local))), 1e-4) << "sp " << sp;
+    EXPECT_LT(relative_error(doubles_of(dx), doubles_of(dx_ref.slice(0, first, first + local))), 1e-4) << "sp " << sp;
+  }
+}
+
+TEST(GpuNccl, DataParallelAveragesGradientBuckets) {
+  REQUIRE_NCCL();
+  auto g = nccl_world();
+  Context ctx = gpu_ctx();
+  const int n = g->size();
+  nn::Parameter a("a", {1000}, DType::F32, true, ctx.device), b("b", {37, 3}, DType::BF16, true, ctx.device);
+  a.grad.copy_from(rank_values(g->rank(), {1000}, DType::F32, 7));
+  b.grad.copy_from(rank_values(g->rank(), {37, 3}, DType::F32, 8));
+  dist::DataParallel dp(ctx, {&a, &b}, g, {.bucket_bytes = 1024});
+  dp.all_reduce_gradients(ctx);
+  std::vector<double> wa(1000, 0.0), wb(111, 0.0);
+  for (int r = 0; r < n; ++r) {
+    const auto va = rank_values(r, {1000}, DType::F32, 7).to_doubles();
+    const auto vb = rank_values(r, {37, 3}, DType::F32, 8).to_doubles();
+    for (size_t i = 0; i < wa.size(); ++i) wa[i] += va[i] / n;
+    for (size_t i = 0; i < wb.size(); ++i) wb[i] += vb[i] / n;
+  }
+  EXPECT_LT(relative_error(doubles_of(a.grad), wa), 1e-6);
+  EXPECT_LT(relative_error(doubles_of(b.grad), wb), 1e-6);
+}
