@@ -49,6 +49,16 @@ ModelConfig tiny_llama(bool tied, int64_t kv_heads = 2) {
   return c;
 }
 
+ModelConfig tiny_mixtral(bool tied, int64_t experts = 4, int64_t top_k = 2) {
+  ModelConfig c = tiny_llama(tied, 2);
+  c.architecture = "mixtral";
+  c.intermediate_size = 12;
+  c.num_experts = experts;
+  c.num_experts_per_tok = top_k;
+  c.router_aux_loss_coef = 0.02f;
+  return c;
+}
+
 // Distinct random values in every parameter (init leaves biases at 0 and norms at 1, under
 // which a swapped bias or norm would go unnoticed).
 void randomize(TransformerLM& model, uint64_t seed) {
@@ -129,7 +139,8 @@ TEST_P(HfRoundTrip, ParametersAndLogitsAreBitIdentical) {
 
 INSTANTIATE_TEST_SUITE_P(Models, HfRoundTrip,
                          ::testing::Values(tiny_gpt2(true), tiny_gpt2(false, 20), tiny_llama(true), tiny_llama(false),
-                                           tiny_llama(false, 1), tiny_llama(true, 4)),
+                                           tiny_llama(false, 1), tiny_llama(true, 4), tiny_mixtral(false),
+                                           tiny_mixtral(true, 3, 1)),
                          [](const auto& info) {
                            const ModelConfig& c = info.param;
                            return c.architecture + "_kv" + std::to_string(c.num_kv_heads) +
@@ -351,6 +362,65 @@ TEST(HfConfig, RoundTrips) {
   EXPECT_EQ(llama["head_dim"], 64);
 }
 
+TEST(HfConfig, MixtralRoundTripsAndReadsThePublishedConfig) {
+  for (const ModelConfig& c : {tiny_mixtral(false), tiny_mixtral(true, 3, 1)}) {
+    const json hf = models::config_to_hf(c);
+    EXPECT_EQ(models::config_from_hf(hf).to_json(), c.to_json()) << hf.dump();
+    EXPECT_EQ(hf["architectures"][0], "MixtralForCausalLM");
+    EXPECT_EQ(hf["num_local_experts"], c.num_experts);
+    EXPECT_EQ(hf["output_router_logits"], true);
+  }
+  // mistralai/Mixtral-8x7B-v0.1's config.json (abridged).
+  const json mixtral = json::parse(R"({"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0,
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+    "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "output_router_logits": false, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "sliding_window": null, "tie_word_embeddings": false, "vocab_size": 32000})");
+  const ModelConfig c = models::config_from_hf(mixtral);
+  EXPECT_EQ(c.architecture, "mixtral");
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.ffn_size(), 14336);
+  EXPECT_EQ(c.rope_theta, 1e6f);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.0f);  // output_router_logits false: no aux loss in transformers
+  EXPECT_EQ(c.num_parameters(), 46702792704);  // Mixtral-8x7B's published 46.7B
+  json with_aux = mixtral;
+  with_aux["output_router_logits"] = true;
+  EXPECT_FLOAT_EQ(models::config_from_hf(with_aux).router_aux_loss_coef, 0.04f);  // top_k x transformers' coefficient
+  json jitter = mixtral;
+  jitter["router_jitter_noise"] = 0.1;
+  EXPECT_CONTAINS(error_of([&] { models::config_from_hf(jitter); }), "router_jitter_noise");
+  json window = mixtral;
+  window["sliding_window"] = 4096;
+  EXPECT_CONTAINS(error_of([&] { models::config_from_hf(window); }), "sliding_window");
+  ModelConfig sigmoid = tiny_mixtral(false);
+  sigmoid.router_score = "sigmoid";
+  EXPECT_CONTAINS(error_of([&] { models::config_to_hf(sigmoid); }), "no Hugging Face Mixtral equivalent");
+}
+
+TEST(HfConvert, MixtralExpertsLandInTheGroupedWeights) {
+  const ModelConfig c = tiny_mixtral(false);
+  TransformerLM model(c);
+  randomize(model, 3);
+  TempDir dir;
+  models::save_hf_model(dir.file("hf"), model);
+  const io::SafetensorsFile file(dir.file("hf") + "/model.safetensors");
+  const std::string b = "model.layers.1.block_sparse_moe.";
+  const Tensor w1 = file.get(b + "experts.2.w1.weight"), w3 = file.get(b + "experts.2.w3.weight");
+  const Tensor w2 = file.get(b + "experts.3.w2.weight"), gate = file.get(b + "gate.weight");
+  const nn::MoELayer& moe = *model.layers[1]->moe;
+  const int64_t f = c.ffn_size(), h = c.hidden_size;
+  EXPECT_EQ(w1.shape(), (Shape{f, h}));
+  EXPECT_EQ(w2.shape(), (Shape{h, f}));
+  EXPECT_EQ(gate.shape(), (Shape{c.num_experts, h}));
+  EXPECT_EQ(w1.item(5 * h + 7), moe.experts.fc.weight.value.item((2 * 2 * f + 5) * h + 7));
+  EXPECT_EQ(w3.item(5 * h + 7), moe.experts.fc.weight.value.item((2 * 2 * f + f + 5) * h + 7));
+  EXPECT_EQ(w2.item(9 * f + 4), moe.experts.proj.weight.value.item((3 * h + 9) * f + 4));
+  EXPECT_EQ(gate.item(3 * h + 1), moe.router.weight.value.item(3 * h + 1));
+  EXPECT_FALSE(file.contains("model.layers.0.mlp.gate_proj.weight"));
+}
+
 TEST(HfConfig, ReadsPublishedConfigs) {
   // openai-community/gpt2's config.json (abridged to the keys that matter).
   const json gpt2 = json::parse(R"({"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"],
@@ -558,6 +628,18 @@ TEST(HfConvert, TransformersComputesTheSameLogits) {
   if (!python_can_import("torch, transformers"))
     GTEST_SKIP() << "python3 cannot import torch and transformers; the comparison with transformers is skipped";
   for (const ModelConfig& c : kPythonConfigs) expect_python_agrees("hf_logits.py", c);
+}
+
+TEST(HfConvert, TransformersComputesTheSameMixtralLogits) {
+  if (!python_can_import("torch, transformers"))
+    GTEST_SKIP() << "python3 cannot import torch and transformers; the comparison with transformers is skipped";
+  for (const ModelConfig& c : {tiny_mixtral(false), tiny_mixtral(true, 3, 1)}) expect_python_agrees("hf_logits.py", c);
+}
+
+TEST(HfConvert, NumpyReferenceComputesTheSameMixtralLogits) {
+  if (!python_can_import("numpy"))
+    GTEST_SKIP() << "python3 cannot import numpy; the comparison with the numpy reference is skipped";
+  for (const ModelConfig& c : {tiny_mixtral(false), tiny_mixtral(true, 3, 1)}) expect_python_agrees("hf_mixtral_numpy.py", c);
 }
 
 TEST(HfConvert, NumpyReferenceComputesTheSameLogits) {

@@ -145,6 +145,36 @@ ModelConfig llama_config(const json& j) {
   return c;
 }
 
+// MixtralConfig: Llama's keys with other defaults, plus the experts. Hugging Face routes
+// with softmax -> top-k -> renormalise, which is tessera's default router. Its load-balancing
+// loss (added only with output_router_logits) is top_k times tessera's (Megatron's
+// normalisation), so the coefficient is scaled on the way in and out.
+ModelConfig mixtral_config(const json& j) {
+  json defaults = j;
+  const auto set_default = [&](const char* key, const json& value) {
+    if (!find_key(j, key)) defaults[key] = value;
+  };
+  set_default("intermediate_size", 14336);
+  set_default("num_key_value_heads", 8);
+  set_default("max_position_embeddings", 4096 * 32);
+  set_default("rms_norm_eps", 1e-5);
+  if (!find_key(j, "rope_parameters")) set_default("rope_theta", 1e6);
+  ModelConfig c = llama_config(defaults);
+  c.architecture = "mixtral";
+  c.num_experts = int_key(j, "num_local_experts", 8);
+  c.num_experts_per_tok = int_key(j, "num_experts_per_tok", 2);
+  TESSERA_CHECK(number_key(j, "router_jitter_noise", 0.0) == 0.0,
+                "config_from_hf: mixtral router_jitter_noise > 0 is not supported (tessera's router is deterministic)");
+  if (const json* window = find_key(j, "sliding_window")) {
+    TESSERA_CHECK(window->is_number_integer() && window->get<int64_t>() >= c.max_seq_len, "config_from_hf: mixtral ",
+                  "sliding_window ", window->dump(), " is not supported (tessera's attention is full causal); it must ",
+                  "be null or at least max_position_embeddings");
+  }
+  const double coef = number_key(j, "router_aux_loss_coef", 0.001);
+  c.router_aux_loss_coef = bool_key(j, "output_router_logits", false) ? static_cast<float>(coef * c.num_experts_per_tok) : 0.0f;
+  return c;
+}
+
 // ---- The name table ---------------------------------------------------------------------
 
 struct Piece {
@@ -215,9 +245,26 @@ std::vector<Mapping> name_table(TransformerLM& model, const std::string& prefix)
                         {l + "self_attn.v_proj.weight", q_rows + kv_rows, q_rows + 2 * kv_rows, false}}});
       table.push_back(whole(layer.attn.proj.weight, l + "self_attn.o_proj.weight"));
       table.push_back(whole(layer.norm2.weight, l + "post_attention_layernorm.weight"));
-      table.push_back({&layer.mlp.fc.weight,
-                       {{l + "mlp.gate_proj.weight", 0, f, false}, {l + "mlp.up_proj.weight", f, 2 * f, false}}});
-      table.push_back(whole(layer.mlp.proj.weight, l + "mlp.down_proj.weight"));
+      if (layer.is_moe()) {
+        // Mixtral: gate = the router; expert e's w1 (gate) and w3 (up) are rows of the grouped
+        // fc weight, its w2 (down) rows of the grouped proj weight.
+        nn::MoELayer& moe = *layer.moe;
+        const std::string b = l + "block_sparse_moe.";
+        table.push_back(whole(moe.router.weight, b + "gate.weight"));
+        Mapping fc{&moe.experts.fc.weight, {}}, proj{&moe.experts.proj.weight, {}};
+        for (int64_t e = 0; e < c.num_experts; ++e) {
+          const std::string x = b + "experts." + std::to_string(e) + ".";
+          fc.pieces.push_back({x + "w1.weight", e * 2 * f, e * 2 * f + f, false});
+          fc.pieces.push_back({x + "w3.weight", e * 2 * f + f, (e + 1) * 2 * f, false});
+          proj.pieces.push_back({x + "w2.weight", e * c.hidden_size, (e + 1) * c.hidden_size, false});
+        }
+        table.push_back(fc);
+        table.push_back(proj);
+      } else {
+        table.push_back({&layer.mlp.fc.weight,
+                         {{l + "mlp.gate_proj.weight", 0, f, false}, {l + "mlp.up_proj.weight", f, 2 * f, false}}});
+        table.push_back(whole(layer.mlp.proj.weight, l + "mlp.down_proj.weight"));
+      }
     }
     table.push_back(whole(model.final_norm.weight, prefix + "norm.weight"));
   }
@@ -264,11 +311,11 @@ Tensor converted(const Tensor& t, DType dtype) {
 ModelConfig config_from_hf(const json& j) {
   TESSERA_CHECK(j.is_object(), "config_from_hf: config.json must hold a JSON object, got ", j.type_name());
   TESSERA_CHECK(find_key(j, "model_type") && j["model_type"].is_string(),
-                "config_from_hf: config.json has no string \"model_type\" (expected \"gpt2\" or \"llama\")");
+                "config_from_hf: config.json has no string \"model_type\" (expected \"gpt2\", \"llama\" or \"mixtral\")");
   const std::string type = j["model_type"].get<std::string>();
-  TESSERA_CHECK(type == "gpt2" || type == "llama", "config_from_hf: model_type \"", type,
-                "\" is not supported; tessera converts \"gpt2\" and \"llama\" models");
-  ModelConfig c = type == "gpt2" ? gpt2_config(j) : llama_config(j);
+  TESSERA_CHECK(type == "gpt2" || type == "llama" || type == "mixtral", "config_from_hf: model_type \"", type,
+                "\" is not supported; tessera converts \"gpt2\", \"llama\" and \"mixtral\" models");
+  ModelConfig c = type == "gpt2" ? gpt2_config(j) : type == "mixtral" ? mixtral_config(j) : llama_config(j);
   c.validate();
   return c;
 }
@@ -296,6 +343,36 @@ json config_to_hf(const ModelConfig& c, std::optional<int64_t> bos_token_id, std
          {"scale_attn_weights", true},
          {"scale_attn_by_inverse_layer_idx", false},
          {"reorder_and_upcast_attn", false},
+         {"use_cache", true},
+         {"tie_word_embeddings", c.tie_embeddings},
+         {"torch_dtype", "float32"}};
+  } else if (c.is_moe()) {
+    TESSERA_CHECK(c.router_score == "softmax" && c.router_normalize && c.router_num_groups <= 1 &&
+                      c.router_scaling == 1.0f && c.capacity_factor == 0.0f && c.expert_bias_rate == 0.0f,
+                  "config_to_hf: this MoE router (", c.to_json().dump(), ") has no Hugging Face Mixtral equivalent: ",
+                  "Mixtral routes with softmax, top-k and renormalisation, without groups, scaling, capacity or ",
+                  "expert bias");
+    j = {{"architectures", {"MixtralForCausalLM"}},
+         {"model_type", "mixtral"},
+         {"vocab_size", c.vocab_size},
+         {"hidden_size", c.hidden_size},
+         {"intermediate_size", c.ffn_size()},
+         {"num_hidden_layers", c.num_layers},
+         {"num_attention_heads", c.num_heads},
+         {"num_key_value_heads", c.num_kv_heads},
+         {"head_dim", c.head_dim()},
+         {"hidden_act", "silu"},
+         {"max_position_embeddings", c.max_seq_len},
+         {"rms_norm_eps", shortest_double(c.norm_eps)},
+         {"rope_theta", shortest_double(c.rope_theta)},
+         {"sliding_window", nullptr},
+         {"attention_dropout", 0.0},
+         {"num_local_experts", c.num_experts},
+         {"num_experts_per_tok", c.num_experts_per_tok},
+         {"output_router_logits", c.router_aux_loss_coef > 0},
+         {"router_aux_loss_coef", shortest_double(c.router_aux_loss_coef / static_cast<float>(c.num_experts_per_tok))},
+         {"router_jitter_noise", 0.0},
+         {"initializer_range", 0.02},
          {"use_cache", true},
          {"tie_word_embeddings", c.tie_embeddings},
          {"torch_dtype", "float32"}};

@@ -47,6 +47,8 @@ void TransformerLM::zero_grad() {
 
 void TransformerLM::to(Device device) {
   for (nn::Parameter* p : parameters()) p->to(device);
+  for (auto& layer : layers)
+    if (layer->moe) layer->moe->to(device);
   head_value_padded_ = head_grad_padded_ = Tensor();
   // On the GPU the LM head weight lives in a buffer with its rows padded to a multiple of
   // 64 (GPT-2's 50257 -> 50304), as llm.c does: the head's three GEMMs then have aligned
@@ -216,6 +218,11 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
   }
   Saved saved;
   const Tensor h = trunk_forward(ctx, ids, saved);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (!layers[i]->moe) continue;
+    layers[i]->moe->record_load(saved.layers[i].moe);
+    saved.layers[i].moe.loss_scale = scale;  // the aux losses are averaged like the cross-entropy
+  }
   Tensor d = Tensor::empty(h.shape(), dtype_, ctx.device);
   const HeadLoss loss = head_loss(ctx, h, targets, device_targets, &d, scale);
   d = final_norm.backward_input(ctx, d, saved.final_norm);
@@ -226,7 +233,26 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
   }
   embedding_backward(ctx, ids.reshape({batch * seq}), d, token_embedding.grad);
   if (position_embedding.value.defined()) embedding_backward(ctx, positions_, d, position_embedding.grad);
-  return loss.read();  // the step's only wait for the GPU, after its whole backward is queued
+  double total = loss.read();  // the step's only wait for the GPU, after its whole backward is queued
+  last_aux_loss_ = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (!layers[i]->moe) continue;
+    const Tensor losses = saved.layers[i].moe.losses.to(Device::cpu());
+    last_aux_loss_ += losses.item(0) + losses.item(1);
+  }
+  return total + last_aux_loss_;
+}
+
+std::vector<std::vector<int64_t>> TransformerLM::expert_loads() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& layer : layers)
+    if (layer->moe) out.push_back(layer->moe->load);
+  return out;
+}
+
+void TransformerLM::update_expert_biases(Context& ctx) {
+  for (auto& layer : layers)
+    if (layer->moe) layer->moe->update_expert_bias(ctx);
 }
 
 double TransformerLM::forward_loss(Context& ctx, const Tensor& inputs, const Tensor& targets) {

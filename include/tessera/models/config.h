@@ -1,8 +1,10 @@
 // Model configuration for decoder-only Transformer language models (GPT-2, Llama-3).
 //
-// One config describes both families; `architecture` picks the defaults that differ:
-//   gpt2:  LayerNorm, GELU (tanh) MLP, biases, learned positions, tied embeddings
-//   llama: RMSNorm, SwiGLU MLP, no biases, RoPE, grouped-query attention
+// One config describes all families; `architecture` picks the defaults that differ:
+//   gpt2:    LayerNorm, GELU (tanh) MLP, biases, learned positions, tied embeddings
+//   llama:   RMSNorm, SwiGLU MLP, no biases, RoPE, grouped-query attention
+//   mixtral: llama attention, and a mixture-of-experts FFN (nn::MoELayer) in every block;
+//            intermediate_size is then each expert's FFN width
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -11,7 +13,7 @@
 namespace tessera::models {
 
 struct ModelConfig {
-  std::string architecture = "llama";  // "gpt2" or "llama"
+  std::string architecture = "llama";  // "gpt2", "llama" or "mixtral"
   int64_t vocab_size = 257;
   int64_t hidden_size = 256;
   int64_t num_layers = 4;
@@ -23,7 +25,21 @@ struct ModelConfig {
   float rope_theta = 500000.0f;
   bool tie_embeddings = true;
 
+  // Mixture of experts (mixtral only; see docs/models.md and tessera/ops/moe.h).
+  int64_t num_experts = 8;
+  int64_t num_experts_per_tok = 2;       // top-k
+  std::string router_score = "softmax";  // "softmax" or "sigmoid"
+  bool router_normalize = true;          // renormalise the k selected probabilities
+  int64_t router_num_groups = 0;         // > 1: group-limited top-k
+  int64_t router_topk_groups = 0;
+  float router_scaling = 1.0f;
+  float router_aux_loss_coef = 0.001f;   // load-balancing loss (Megatron's normalisation)
+  float router_z_loss_coef = 0.0f;
+  float capacity_factor = 0.0f;          // > 0: token dropping
+  float expert_bias_rate = 0.0f;         // > 0: auxiliary-loss-free balancing bias
+
   bool is_gpt2() const { return architecture == "gpt2"; }
+  bool is_moe() const { return architecture == "mixtral"; }
   int64_t head_dim() const { return hidden_size / num_heads; }
   int64_t ffn_size() const;
   // Exact parameter count of the model this config builds, without allocating it.

@@ -26,8 +26,9 @@
 namespace tessera::models {
 
 // The tessera config of a Hugging Face config.json. Supports model_type "gpt2" (gelu_new /
-// gelu_pytorch_tanh activation) and "llama" (silu, no attention or MLP bias, no RoPE
-// scaling). Keys the file leaves out take the transformers defaults of that model type.
+// gelu_pytorch_tanh activation), "llama" (silu, no attention or MLP bias, no RoPE
+// scaling) and "mixtral" (Llama attention with a mixture-of-experts MLP; checkpoint layout
+// block_sparse_moe.gate / experts.{e}.w1, w2, w3). Keys the file leaves out take the transformers defaults of that model type.
 // Error for another model type, an unsupported option, or a key of the wrong type.
 ModelConfig config_from_hf(const nlohmann::json& config_json);
 

@@ -38,10 +38,24 @@ class TransformerLM {
   // every parameter ACCUMULATED (gradient accumulation is the caller's loop). `scale`
   // multiplies the gradients (1 / micro-batches when accumulating).
   double forward_backward(Context& ctx, const Tensor& inputs, const Tensor& targets, float scale = 1.0f);
-  // Mean loss only, no gradients.
+  // For mixture-of-experts models the value returned is the cross-entropy plus every MoE
+  // layer's auxiliary losses (load balancing and z-loss, with their coefficients), the
+  // objective whose gradient this computes; last_aux_loss() is their part of it. The
+  // per-expert loads of the step are added to each layer's statistics (expert_loads()).
+  //
+  // Mean loss only, no gradients (cross-entropy only, also for MoE models).
   double forward_loss(Context& ctx, const Tensor& inputs, const Tensor& targets);
   // Logits [B, T, V] (F32) for all positions; for generation and `eval --dump-logits`.
   Tensor logits(Context& ctx, const Tensor& inputs);
+
+  // Mixture of experts: the aux-loss part of the last forward_backward's value; the kept
+  // tokens per expert of each MoE layer since the last update_expert_biases() (empty for
+  // dense models), for logging; and the per-step balancing update, which moves each
+  // layer's auxiliary-loss-free expert bias (when model.expert_bias_rate > 0) by the sign
+  // of its load error and resets the loads. The trainer calls it after each optimizer step.
+  double last_aux_loss() const { return last_aux_loss_; }
+  std::vector<std::vector<int64_t>> expert_loads() const;
+  void update_expert_biases(Context& ctx);
 
   nn::ParameterList parameters();
   int64_t num_parameters();
@@ -81,6 +95,7 @@ class TransformerLM {
   // cached for the last (batch, seq) shape.
   Tensor positions_;
   int64_t positions_seq_ = 0;
+  double last_aux_loss_ = 0;
 
  public:
   nn::Parameter token_embedding;     // [V, C]

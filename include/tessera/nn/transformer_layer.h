@@ -7,9 +7,12 @@
 // CPU every bit, is that of the unfused block.
 #pragma once
 
+#include <memory>
+
 #include "tessera/models/config.h"
 #include "tessera/nn/attention.h"
 #include "tessera/nn/mlp.h"
+#include "tessera/nn/moe.h"
 #include "tessera/nn/norm.h"
 
 namespace tessera::nn {
@@ -20,6 +23,7 @@ class TransformerLayer {
     Norm::Saved norm1, norm2;  // norm2.x is x1, the residual stream between attention and MLP
     SelfAttention::Saved attn;
     MLP::Saved mlp;
+    MoELayer::Saved moe;  // mixtral: the FFN is `moe`
     Tensor d_x1;  // gradient at the residual between attention and MLP
   };
   TransformerLayer(const std::string& name, const models::ModelConfig& config, DType dtype,
@@ -41,9 +45,14 @@ class TransformerLayer {
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);
 
+  // The FFN: `mlp`, or for a mixture-of-experts model (config.is_moe()) `moe`; `mlp` then
+  // is a 1-unit placeholder that is never run and owns no listed parameters.
+  bool is_moe() const { return moe != nullptr; }
+
   Norm norm1, norm2;
   SelfAttention attn;
   MLP mlp;
+  std::unique_ptr<MoELayer> moe;
 };
 
 }  // namespace tessera::nn

@@ -1,0 +1,132 @@
+// Mixture of experts: the router, token permutation, the grouped expert GEMM and the
+// scaled SwiGLU between the expert GEMMs.
+//
+// One MoE layer over N tokens of width C with E experts, each token sent to k of them:
+//
+//   logits = x Wr^T                                   [N, E]  (a plain gemm)
+//   router:   scores, top-k -> probs [N, k], indices [N, k], counts [E], aux losses
+//   permute:  x -> xp [N*k, C], expert-contiguous (expert 0's rows first, each expert's
+//             rows in token order); row_map [N, k] says where each (token, slot) went
+//   grouped_linear(xp, W1) -> swiglu scaled by the routing probability -> grouped_linear(W2)
+//   unpermute: y[n] = sum_j out[row_map[n, j]]   (times probs[n, j] when they are given)
+//
+// Conventions:
+// - indices are I32; an index >= 0 is a kept assignment to that expert, an index < 0 an
+//   assignment to expert -index-1 that the capacity limit dropped (its probability is 0).
+// - row_map is I32 [N, k]: the permuted row of each assignment, -1 for dropped ones. The
+//   permuted tensors always have N*k rows, so nothing depends on the (data-dependent)
+//   number of kept rows: rows past offsets[E] are zero. offsets is I32 [E+1], the exclusive
+//   prefix sum of the kept per-expert counts, computed on the device on CUDA.
+// - Everything is deterministic: ties in top-k go to the lower expert index, the capacity
+//   limit keeps assignments in token order, and no reduction depends on thread counts.
+// - Gradient rule: input and activation gradients are OVERWRITTEN, parameter gradients
+//   (grouped_linear's dw) ACCUMULATE.
+// - Compute type: double when the main input is F64, float otherwise (as every op).
+#pragma once
+
+#include <vector>
+
+#include "tessera/core/context.h"
+#include "tessera/core/tensor.h"
+
+namespace tessera {
+
+enum class RouterScore { Softmax, Sigmoid };
+
+struct RouterOptions {
+  int64_t top_k = 2;
+  RouterScore score = RouterScore::Softmax;
+  // Group-limited top-k (DeepSeek-V3): the E experts form num_groups equal groups; each
+  // token first keeps the topk_groups groups with the best group score (the sum of the
+  // group's two best selection scores, or its one score for groups of one) and then picks
+  // its top_k experts among them. num_groups <= 1 disables it.
+  int64_t num_groups = 0;
+  int64_t topk_groups = 0;
+  // Divide the k selected scores by their sum (Mixtral; DeepSeek-V3's sigmoid router).
+  bool normalize = true;
+  float scaling = 1.0f;  // multiplies the final routing probabilities
+  // Switch/GShard load-balancing loss: coeff * E / (N*k) * sum_e routed_e * mean_n(s[n, e]),
+  // with routed_e the assignments to e before any dropping and s the (unbiased) scores.
+  // This is Megatron's normalisation; Hugging Face Mixtral's load_balancing_loss_func is
+  // k times it.
+  float aux_loss_coeff = 0.0f;
+  // ST-MoE router z-loss: coeff * mean_n(logsumexp(logits[n, :])^2).
+  float z_loss_coeff = 0.0f;
+  // > 0: each expert keeps at most ceil(capacity_factor * N * k / E) assignments, the
+  // earliest tokens first; the rest are dropped (index -e-1, probability 0).
+  float capacity_factor = 0.0f;
+};
+
+// Router forward.
+//   logits [N, E] (F64, F32 or BF16), E <= 1024; expert_bias [E] F32 or undefined: the
+//   auxiliary-loss-free balancing bias, added to the scores for the choice of experts only.
+// Outputs (preallocated, overwritten):
+//   scores [N, E]  the softmax or sigmoid of the logits, F64 for F64 logits, else F32
+//                  (what the backward reads)
+//   probs [N, k]   routing probabilities of the selected experts (any floating dtype)
+//   indices [N, k] I32 selected experts, in descending order of selection score
+//   counts [E]     I32 kept assignments per expert (the load statistics)
+//   losses [2]     F32 or F64: {aux loss, z loss}, coefficients applied (0 when unused)
+void moe_router_forward(Context& ctx, const Tensor& logits, const Tensor& expert_bias, const RouterOptions& options,
+                        Tensor& scores, Tensor& probs, Tensor& indices, Tensor& counts, Tensor& losses);
+
+// Router backward: d_logits [N, E] (OVERWRITTEN) from the gradient of the probabilities
+// d_probs [N, k] and of the two losses, both multiplied by loss_scale (the weight the aux
+// losses carry in the objective, e.g. the micro-batch scale). Dropped assignments get no
+// gradient through their own probability.
+void moe_router_backward(Context& ctx, const Tensor& logits, const Tensor& scores, const Tensor& indices,
+                         const Tensor& d_probs, const RouterOptions& options, float loss_scale, Tensor& d_logits);
+
+// Auxiliary-loss-free balancing (DeepSeek-V3), once per optimizer step:
+//   bias[e] += rate * sign(mean(load) - load[e])
+// load [E] is the per-expert token count over the step (I32, I64, F32 or F64); bias [E] F32.
+void moe_update_expert_bias(Context& ctx, const Tensor& load, float rate, Tensor& bias);
+
+// The routing map: row_map [N, k] and offsets [E+1] (I32) from indices [N, k] (see above).
+void moe_routing_map(Context& ctx, const Tensor& indices, int64_t num_experts, Tensor& row_map, Tensor& offsets);
+
+// permuted[row_map[n, j]] = x[n] for every kept assignment; rows no assignment maps to
+// are zero. x [N, C], permuted [N*k, C]. With probs [N, k] and permuted_probs [N*k] both
+// defined, the probabilities move the same way (0 in unmapped rows).
+void moe_permute_forward(Context& ctx, const Tensor& x, const Tensor& row_map, const Tensor& probs, Tensor& permuted,
+                         Tensor& permuted_probs);
+// dx[n] = sum_j d_permuted[row_map[n, j]] (OVERWRITTEN; 0 for a token with no kept
+// assignment). With d_permuted_probs and d_probs defined: d_probs[n, j] =
+// d_permuted_probs[row_map[n, j]] (0 where dropped).
+void moe_permute_backward(Context& ctx, const Tensor& row_map, const Tensor& d_permuted, const Tensor& d_permuted_probs,
+                          Tensor& dx, Tensor& d_probs);
+
+// y[n] = sum_j w[n, j] * expert_out[row_map[n, j]], w = probs or 1 when probs is undefined;
+// the k copies are summed in slot order. expert_out [N*k, C], y [N, C].
+void moe_unpermute_forward(Context& ctx, const Tensor& expert_out, const Tensor& row_map, const Tensor& probs,
+                           Tensor& y);
+// d_expert_out[row_map[n, j]] = w[n, j] * dy[n] (unmapped rows 0), and with probs defined
+// d_probs[n, j] = dot(dy[n], expert_out[row_map[n, j]]) (0 where dropped). Both OVERWRITTEN.
+void moe_unpermute_backward(Context& ctx, const Tensor& expert_out, const Tensor& row_map, const Tensor& probs,
+                            const Tensor& dy, Tensor& d_expert_out, Tensor& d_probs);
+
+// The expert MLP's activation scaled by the routing probability, per row:
+//   y[r, c] = scale[r] * silu(gate[r, c]) * up[r, c]      x [M, 2F] = [gate | up], y [M, F]
+// scale [M] any floating dtype.
+void moe_swiglu_scaled_forward(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& y);
+// dx [M, 2F] and d_scale[r] = dot(dy[r], swiglu(x[r])), both OVERWRITTEN.
+void moe_swiglu_scaled_backward(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx,
+                                Tensor& d_scale);
+
+// GroupedLinear: every expert's linear layer in one call.
+//   x [M, K] expert-contiguous rows, w [E, N, K] (PyTorch's [out, in] per expert),
+//   split_sizes: E host-side row counts (zeros allowed), sum <= M.
+//   y[o_e : o_e + s_e] = x[o_e : o_e + s_e] W_e^T, o_e the prefix sum; rows past the sum
+//   are zero. On CUDA each expert is one cuBLASLt GEMM on the context's stream, so the
+//   result is bit-identical to a loop of gemm calls (it is that loop). The split sizes
+//   are host values: a caller whose counts live on the GPU copies them back first.
+void grouped_linear_forward(Context& ctx, const Tensor& x, const Tensor& w, const std::vector<int64_t>& split_sizes,
+                            Tensor& y);
+// dx = dy_e W_e per group (OVERWRITTEN; rows past the sum zero).
+void grouped_linear_backward_input(Context& ctx, const Tensor& dy, const Tensor& w,
+                                   const std::vector<int64_t>& split_sizes, Tensor& dx);
+// dw[e] += dy_e^T x_e (ACCUMULATES; an expert with no rows leaves its slice unchanged).
+void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor& x,
+                                    const std::vector<int64_t>& split_sizes, Tensor& dw);
+
+}  // namespace tessera

@@ -1,0 +1,377 @@
+#include "tessera/ops/moe.h"
+
+#include <numeric>
+
+#include "backend/cpu/moe.h"
+#include "dispatch.h"
+#include "tessera/ops/gemm.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/moe.h"
+#endif
+
+namespace tessera {
+namespace {
+
+
+void check_matrix(const Tensor& t, const char* op, const char* name) {
+  TESSERA_CHECK(t.defined() && t.dim() == 2 && t.is_contiguous(), op, ": ", name,
+                " must be a contiguous 2-D tensor, got ", t.defined() ? t.describe() : std::string("undefined"));
+}
+
+void check_float(const Tensor& t, const char* op, const char* name) {
+  TESSERA_CHECK(is_floating(t.dtype()), op, ": ", name, " must be floating point, got ", t.describe());
+}
+
+void check_i32(const Tensor& t, const char* op, const char* name, const Shape& shape) {
+  TESSERA_CHECK(t.defined() && t.dtype() == DType::I32 && t.is_contiguous() && t.shape() == shape, op, ": ", name,
+                " must be a contiguous i32", shape_to_string(shape), ", got ",
+                t.defined() ? t.describe() : std::string("undefined"));
+}
+
+void check_shaped(const Tensor& t, const Shape& shape, const char* op, const char* name) {
+  TESSERA_CHECK(t.defined() && t.is_contiguous() && t.shape() == shape && is_floating(t.dtype()), op, ": ", name,
+                " must be a contiguous floating tensor of shape ", shape_to_string(shape), ", got ",
+                t.defined() ? t.describe() : std::string("undefined"));
+}
+
+void check_options(const RouterOptions& o, int64_t experts, const char* op) {
+  TESSERA_CHECK(experts >= 1 && experts <= 1024, op, ": the number of experts must be in [1, 1024], got ", experts);
+  TESSERA_CHECK(o.top_k >= 1 && o.top_k <= experts, op, ": top_k must be in [1, ", experts, "], got ", o.top_k);
+  if (o.num_groups > 1) {
+    TESSERA_CHECK(experts % o.num_groups == 0, op, ": num_groups (", o.num_groups, ") must divide the experts (",
+                  experts, ")");
+    TESSERA_CHECK(o.topk_groups >= 1 && o.topk_groups <= o.num_groups, op, ": topk_groups must be in [1, ",
+                  o.num_groups, "], got ", o.topk_groups);
+    TESSERA_CHECK(o.topk_groups * (experts / o.num_groups) >= o.top_k, op, ": topk_groups (", o.topk_groups,
+                  ") groups of ", experts / o.num_groups, " experts cannot hold top_k = ", o.top_k);
+  }
+}
+
+DType scores_dtype(DType logits) { return logits == DType::F64 ? DType::F64 : DType::F32; }
+
+void check_splits(const std::vector<int64_t>& splits, int64_t experts, int64_t rows, const char* op) {
+  TESSERA_CHECK(static_cast<int64_t>(splits.size()) == experts, op, ": ", splits.size(), " split sizes for ", experts,
+                " experts");
+  int64_t total = 0;
+  for (int64_t s : splits) {
+    TESSERA_CHECK(s >= 0, op, ": split sizes must be >= 0, got ", s);
+    total += s;
+  }
+  TESSERA_CHECK(total <= rows, op, ": split sizes sum to ", total, ", more than the ", rows, " rows");
+}
+
+}  // namespace
+
+void moe_router_forward(Context& ctx, const Tensor& logits, const Tensor& expert_bias, const RouterOptions& o,
+                        Tensor& scores, Tensor& probs, Tensor& indices, Tensor& counts, Tensor& losses) {
+  const char* op = "moe_router_forward";
+  check_matrix(logits, op, "logits");
+  check_float(logits, op, "logits");
+  const int64_t n = logits.size(0), e = logits.size(1);
+  check_options(o, e, op);
+  if (expert_bias.defined())
+    TESSERA_CHECK(expert_bias.dtype() == DType::F32 && expert_bias.is_contiguous() && expert_bias.shape() == Shape{e},
+                  op, ": expert_bias must be f32[", e, "], got ", expert_bias.describe());
+  check_shaped(scores, {n, e}, op, "scores");
+  TESSERA_CHECK(scores.dtype() == scores_dtype(logits.dtype()), op, ": scores must be ",
+                dtype_name(scores_dtype(logits.dtype())), " for ", dtype_name(logits.dtype()), " logits");
+  check_shaped(probs, {n, o.top_k}, op, "probs");
+  check_i32(indices, op, "indices", {n, o.top_k});
+  check_i32(counts, op, "counts", {e});
+  TESSERA_CHECK(losses.defined() && losses.shape() == Shape{2} && (losses.dtype() == DType::F32 || losses.dtype() == DType::F64),
+                op, ": losses must be f32[2] or f64[2]");
+  check_on_device(ctx, op, {&logits, &expert_bias, &scores, &probs, &indices, &counts, &losses});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::moe_router_supported(logits, probs, losses, o)) {
+      cuda::moe_router_forward(ctx.stream, logits, expert_bias, o, scores, probs, indices, counts, losses);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  cpu::moe_router_forward(logits, expert_bias, o, scores, probs, indices, counts, losses);
+}
+
+void moe_router_backward(Context& ctx, const Tensor& logits, const Tensor& scores, const Tensor& indices,
+                         const Tensor& d_probs, const RouterOptions& o, float loss_scale, Tensor& d_logits) {
+  const char* op = "moe_router_backward";
+  check_matrix(logits, op, "logits");
+  check_float(logits, op, "logits");
+  const int64_t n = logits.size(0), e = logits.size(1);
+  check_options(o, e, op);
+  check_shaped(scores, {n, e}, op, "scores");
+  check_i32(indices, op, "indices", {n, o.top_k});
+  check_shaped(d_probs, {n, o.top_k}, op, "d_probs");
+  check_shaped(d_logits, {n, e}, op, "d_logits");
+  check_on_device(ctx, op, {&logits, &scores, &indices, &d_probs, &d_logits});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::moe_router_backward_supported(logits, scores, d_probs, d_logits, o)) {
+      cuda::moe_router_backward(ctx.stream, logits, scores, indices, d_probs, o, loss_scale, d_logits);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  cpu::moe_router_backward(logits, scores, indices, d_probs, o, loss_scale, d_logits);
+}
+
+void moe_update_expert_bias(Context& ctx, const Tensor& load, float rate, Tensor& bias) {
+  const char* op = "moe_update_expert_bias";
+  TESSERA_CHECK(bias.defined() && bias.dim() == 1 && bias.dtype() == DType::F32 && bias.is_contiguous(), op,
+                ": bias must be a contiguous f32 vector");
+  TESSERA_CHECK(load.defined() && load.shape() == bias.shape(), op, ": load must have bias's shape ",
+                bias.shape_string());
+  check_on_device(ctx, op, {&load, &bias});
+  // E values once per optimizer step: computed on the host wherever they live.
+  if (ctx.device.is_cuda()) {
+    Tensor host_bias = bias.to(Device::cpu());
+    cpu::moe_update_expert_bias(load.to(Device::cpu()), rate, host_bias);
+    bias.copy_from(host_bias);
+    return;
+  }
+  cpu::moe_update_expert_bias(load, rate, bias);
+}
+
+void moe_routing_map(Context& ctx, const Tensor& indices, int64_t num_experts, Tensor& row_map, Tensor& offsets) {
+  const char* op = "moe_routing_map";
+  TESSERA_CHECK(indices.defined() && indices.dim() == 2, op, ": indices must be i32[N, k]");
+  check_i32(indices, op, "indices", indices.shape());
+  check_i32(row_map, op, "row_map", indices.shape());
+  check_i32(offsets, op, "offsets", {num_experts + 1});
+  check_on_device(ctx, op, {&indices, &row_map, &offsets});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (num_experts <= 1024) {
+      cuda::moe_routing_map(ctx.stream, indices, num_experts, row_map, offsets);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  cpu::moe_routing_map(indices, num_experts, row_map, offsets);
+}
+
+void moe_permute_forward(Context& ctx, const Tensor& x, const Tensor& row_map, const Tensor& probs, Tensor& permuted,
+                         Tensor& permuted_probs) {
+  const char* op = "moe_permute_forward";
+  check_matrix(x, op, "x");
+  check_float(x, op, "x");
+  TESSERA_CHECK(row_map.defined() && row_map.dim() == 2 && row_map.size(0) == x.size(0), op,
+                ": row_map must be i32[N, k] with N = ", x.size(0));
+  check_i32(row_map, op, "row_map", row_map.shape());
+  const int64_t n = x.size(0), k = row_map.size(1);
+  check_shaped(permuted, {n * k, x.size(1)}, op, "permuted");
+  TESSERA_CHECK(permuted.dtype() == x.dtype(), op, ": permuted must have x's dtype");
+  TESSERA_CHECK(probs.defined() == permuted_probs.defined(), op, ": probs and permuted_probs come together");
+  if (probs.defined()) {
+    check_shaped(probs, {n, k}, op, "probs");
+    check_shaped(permuted_probs, {n * k}, op, "permuted_probs");
+  }
+  check_on_device(ctx, op, {&x, &row_map, &probs, &permuted, &permuted_probs});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::moe_permute_supported({&x, &permuted}, {&probs, &permuted_probs})) {
+      cuda::moe_permute_forward(ctx.stream, x, row_map, probs, permuted, permuted_probs);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  cpu::moe_permute_forward(x, row_map, probs, permuted, permuted_probs);
+}
+
+void moe_permute_backward(Context& ctx, const Tensor& row_map, const Tensor& d_permuted, const Tensor& d_permuted_probs,
+                          Tensor& dx, Tensor& d_probs) {
+  const char* op = "moe_permute_backward";
+  check_matrix(dx, op, "dx");
+  check_float(dx, op, "dx");
+  TESSERA_CHECK(row_map.defined() && row_map.dim() == 2 && row_map.size(0) == dx.size(0), op,
+                ": row_map must be i32[N, k] with N = ", dx.size(0));
+  check_i32(row_map, op, "row_map", row_map.shape());
+  const int64_t n = dx.size(0), k = row_map.size(1);
+  check_shaped(d_permuted, {n * k, dx.size(1)}, op, "d_permuted");
+  TESSERA_CHECK(d_permuted.dtype() == dx.dtype(), op, ": d_permuted must have dx's dtype");
+  TESSERA_CHECK(d_probs.defined() == d_permuted_probs.defined(), op, ": d_probs and d_permuted_probs come together");
+  if (d_probs.defined()) {
+    check_shaped(d_probs, {n, k}, op, "d_probs");
+    check_shaped(d_permuted_probs, {n * k}, op, "d_permuted_probs");
+  }
+  check_on_device(ctx, op, {&row_map, &d_permuted, &d_permuted_probs, &dx, &d_probs});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::moe_permute_supported({&d_permuted, &dx}, {&d_permuted_probs, &d_probs})) {
+      cuda::moe_permute_backward(ctx.stream, row_map, d_permuted, d_permuted_probs, dx, d_probs);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  cpu::moe_permute_backward(row_map, d_permuted, d_permuted_probs, dx, d_probs);
+}
+
+void moe_unpermute_forward(Context& ctx, const Tensor& expert_out, const Tensor& row_map, const Tensor& probs,
+                           Tensor& y) {
+  const char* op = "moe_unpermute_forward";
+  check_matrix(y, op, "y");
+  check_float(y, op, "y");
+  TESSERA_CHECK(row_map.defined() && row_map.dim() == 2 && row_map.size(0) == y.size(0), op,
+                ": row_map must be i32[N, k] with N = ", y.size(0));
+  check_i32(row_map, op, "row_map", row_map.shape());
+  const int64_t n = y.size(0), k = row_map.size(1);
+  check_shaped(expert_out, {n * k, y.size(1)}, op, "expert_out");
+  TESSERA_CHECK(expert_out.dtype() == y.dtype(), op, ": expert_out must have y's dtype");
+  if (probs.defined()) check_shaped(probs, {n, k}, op, "probs");
+  check_on_device(ctx, op, {&expert_out, &row_map, &probs, &y});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::moe_permute_supported({&expert_out, &y}, {&probs})) {
+      cuda::moe_unpermute_forward(ctx.stream, expert_out, row_map, probs, y);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  cpu::moe_unpermute_forward(expert_out, row_map, probs, y);
+}
+
+void moe_unpermute_backward(Context& ctx, const Tensor& expert_out, const Tensor& row_map, const Tensor& probs,
+                            const Tensor& dy, Tensor& d_expert_out, Tensor& d_probs) {
+  const char* op = "moe_unpermute_backward";
+  check_matrix(dy, op, "dy");
+  check_float(dy, op, "dy");
+  TESSERA_CHECK(row_map.defined() && row_map.dim() == 2 && row_map.size(0) == dy.size(0), op,
+                ": row_map must be i32[N, k] with N = ", dy.size(0));
+  check_i32(row_map, op, "row_map", row_map.shape());
+  const int64_t n = dy.size(0), k = row_map.size(1);
+  check_shaped(expert_out, {n * k, dy.size(1)}, op, "expert_out");
+  check_shaped(d_expert_out, {n * k, dy.size(1)}, op, "d_expert_out");
+  TESSERA_CHECK(expert_out.dtype() == dy.dtype() && d_expert_out.dtype() == dy.dtype(), op,
+                ": expert_out, dy and d_expert_out must share a dtype");
+  if (probs.defined()) check_shaped(probs, {n, k}, op, "probs");
+  if (d_probs.defined()) {
+    TESSERA_CHECK(probs.defined(), op, ": d_probs needs probs");
+    check_shaped(d_probs, {n, k}, op, "d_probs");
+  }
+  check_on_device(ctx, op, {&expert_out, &row_map, &probs, &dy, &d_expert_out, &d_probs});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::moe_permute_supported({&expert_out, &dy, &d_expert_out}, {&probs, &d_probs})) {
+      cuda::moe_unpermute_backward(ctx.stream, expert_out, row_map, probs, dy, d_expert_out, d_probs);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  cpu::moe_unpermute_backward(expert_out, row_map, probs, dy, d_expert_out, d_probs);
+}
+
+void moe_swiglu_scaled_forward(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& y) {
+  const char* op = "moe_swiglu_scaled_forward";
+  check_matrix(x, op, "x");
+  check_float(x, op, "x");
+  TESSERA_CHECK(x.size(1) % 2 == 0, op, ": x must be [M, 2F], got ", x.describe());
+  check_shaped(scale, {x.size(0)}, op, "scale");
+  check_shaped(y, {x.size(0), x.size(1) / 2}, op, "y");
+  check_on_device(ctx, op, {&x, &scale, &y});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::moe_permute_supported({&x, &y}, {&scale})) {
+      cuda::moe_swiglu_scaled_forward(ctx.stream, x, scale, y);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  cpu::moe_swiglu_scaled_forward(x, scale, y);
+}
+
+void moe_swiglu_scaled_backward(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx,
+                                Tensor& d_scale) {
+  const char* op = "moe_swiglu_scaled_backward";
+  check_matrix(x, op, "x");
+  check_float(x, op, "x");
+  TESSERA_CHECK(x.size(1) % 2 == 0, op, ": x must be [M, 2F], got ", x.describe());
+  check_shaped(scale, {x.size(0)}, op, "scale");
+  check_shaped(dy, {x.size(0), x.size(1) / 2}, op, "dy");
+  check_shaped(dx, x.shape(), op, "dx");
+  check_shaped(d_scale, {x.size(0)}, op, "d_scale");
+  check_on_device(ctx, op, {&x, &scale, &dy, &dx, &d_scale});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::moe_permute_supported({&x, &dy, &dx}, {&scale, &d_scale})) {
+      cuda::moe_swiglu_scaled_backward(ctx.stream, x, scale, dy, dx, d_scale);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  cpu::moe_swiglu_scaled_backward(x, scale, dy, dx, d_scale);
+}
+
+// GroupedLinear is a loop of the gemm op over the experts' row blocks, on every device: on
+// CUDA each is one cuBLASLt call on the context's stream, so a result is bit-identical to
+// calling gemm per expert. Empty experts issue no GEMM.
+void grouped_linear_forward(Context& ctx, const Tensor& x, const Tensor& w, const std::vector<int64_t>& splits,
+                            Tensor& y) {
+  const char* op = "grouped_linear_forward";
+  check_matrix(x, op, "x");
+  TESSERA_CHECK(w.defined() && w.dim() == 3 && w.is_contiguous() && w.size(2) == x.size(1), op,
+                ": w must be a contiguous [E, N, K] tensor with K = ", x.size(1), ", got ", w.describe());
+  check_matrix(y, op, "y");
+  TESSERA_CHECK(y.size(0) == x.size(0) && y.size(1) == w.size(1), op, ": y must be [", x.size(0), ", ", w.size(1),
+                "], got ", y.describe());
+  check_splits(splits, w.size(0), x.size(0), op);
+  check_on_device(ctx, op, {&x, &w, &y});
+  int64_t row = 0;
+  for (size_t e = 0; e < splits.size(); ++e) {
+    if (splits[e] == 0) continue;
+    Tensor ye = y.slice(0, row, row + splits[e]);
+    gemm(ctx, x.slice(0, row, row + splits[e]), w.select(0, static_cast<int64_t>(e)), ye, {.transpose_b = true});
+    row += splits[e];
+  }
+  if (row < y.size(0)) y.slice(0, row, y.size(0)).fill_zero();
+}
+
+void grouped_linear_backward_input(Context& ctx, const Tensor& dy, const Tensor& w, const std::vector<int64_t>& splits,
+                                   Tensor& dx) {
+  const char* op = "grouped_linear_backward_input";
+  check_matrix(dy, op, "dy");
+  TESSERA_CHECK(w.defined() && w.dim() == 3 && w.is_contiguous() && w.size(1) == dy.size(1), op,
+                ": w must be a contiguous [E, N, K] tensor with N = ", dy.size(1), ", got ", w.describe());
+  check_matrix(dx, op, "dx");
+  TESSERA_CHECK(dx.size(0) == dy.size(0) && dx.size(1) == w.size(2), op, ": dx must be [", dy.size(0), ", ", w.size(2),
+                "], got ", dx.describe());
+  check_splits(splits, w.size(0), dy.size(0), op);
+  check_on_device(ctx, op, {&dy, &w, &dx});
+  int64_t row = 0;
+  for (size_t e = 0; e < splits.size(); ++e) {
+    if (splits[e] == 0) continue;
+    Tensor dxe = dx.slice(0, row, row + splits[e]);
+    gemm(ctx, dy.slice(0, row, row + splits[e]), w.select(0, static_cast<int64_t>(e)), dxe);
+    row += splits[e];
+  }
+  if (row < dx.size(0)) dx.slice(0, row, dx.size(0)).fill_zero();
+}
+
+void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor& x, const std::vector<int64_t>& splits,
+                                    Tensor& dw) {
+  const char* op = "grouped_linear_backward_weight";
+  check_matrix(dy, op, "dy");
+  check_matrix(x, op, "x");
+  TESSERA_CHECK(dy.size(0) == x.size(0), op, ": dy and x must have the same rows");
+  TESSERA_CHECK(dw.defined() && dw.dim() == 3 && dw.is_contiguous() && dw.size(1) == dy.size(1) && dw.size(2) == x.size(1),
+                op, ": dw must be a contiguous [E, ", dy.size(1), ", ", x.size(1), "] tensor, got ", dw.describe());
+  check_splits(splits, dw.size(0), dy.size(0), op);
+  check_on_device(ctx, op, {&dy, &x, &dw});
+  int64_t row = 0;
+  for (size_t e = 0; e < splits.size(); ++e) {
+    if (splits[e] == 0) continue;
+    Tensor dwe = dw.select(0, static_cast<int64_t>(e));
+    gemm(ctx, dy.slice(0, row, row + splits[e]), x.slice(0, row, row + splits[e]), dwe, {.transpose_a = true, .beta = 1});
+    row += splits[e];
+  }
+}
+
+}  // namespace tessera
