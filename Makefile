@@ -7,7 +7,7 @@ CUDA ?= AUTO
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all setup build demo test sanitize cuda-check clean
+.PHONY: all setup build demo test sanitize cuda-check fuzz clean
 
 all: build
 
@@ -34,10 +34,22 @@ sanitize: setup
 	cd build-sanitize && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS) -L cpu
 
+# libFuzzer targets (fuzz/: config parser, safetensors reader, dataset index reader) built
+# with clang + ASan + UBSan, each run for FUZZ_SECONDS. Needs clang (scripts/setup.sh
+# installs it when FUZZ=1).
+FUZZ_SECONDS ?= 30
+fuzz:
+	FUZZ=1 bash scripts/setup.sh
+	cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
+	  -DCMAKE_CXX_COMPILER=clang++ -DTESSERA_CUDA=OFF -DTESSERA_BUILD_TESTS=OFF -DTESSERA_ASAN=ON \
+	  -DTESSERA_UBSAN=ON -DTESSERA_FUZZ=ON
+	cmake --build build-fuzz -j $(JOBS) --target fuzz_config fuzz_safetensors fuzz_indexed_dataset
+	bash fuzz/run.sh build-fuzz $(FUZZ_SECONDS)
+
 # Configures and compiles the CUDA backend (needs nvcc; runs nothing on a GPU).
 cuda-check: setup
 	cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DTESSERA_CUDA=ON -DTESSERA_BUILD_TESTS=ON
 	cmake --build build-cuda -j $(JOBS)
 
 clean:
-	rm -rf $(BUILD) build-sanitize build-cuda
+	rm -rf $(BUILD) build-sanitize build-cuda build-fuzz

@@ -14,6 +14,11 @@ packages=(
   libopenmpi-dev openmpi-bin  # MPI: dist/'s CPU backend and the mpirun tests
 )
 
+# `make fuzz` (FUZZ=1): clang, its libFuzzer runtime and its OpenMP.
+if [ "${FUZZ:-0}" = 1 ]; then
+  packages+=(clang libclang-rt-dev libomp-dev)
+fi
+
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -18,10 +18,16 @@ optimizer: {lr: 0.01, warmup_steps: 2}
 training: {steps: 6, batch_size: 4, seq_len: 16, eval_interval: 3, eval_batches: 2, out_dir: $work/run,
            sample_prompt: "In the", sample_tokens: 10}
 YAML
-"$tessera" train "$work/run.yaml" --set training.steps=3 > "$work/train.log"
-"$tessera" train "$work/run.yaml" --resume > "$work/resume.log"
-grep -q "resumed from" "$work/resume.log"
-[ "$(wc -l < "$work/run/metrics.jsonl")" -eq 6 ]
+"$tessera" train "$work/run.yaml" --set training.steps=3 --set training.checkpoint_interval=1 > "$work/train.log"
+[ -s "$work/run/checkpoints/step-000003/manifest.json" ]
+# Damage the newest checkpoint: --resume auto skips it (warning on stderr) for the one before.
+printf '\377' | dd of="$work/run/checkpoints/step-000003/model.safetensors" bs=1 seek=200 conv=notrunc 2> /dev/null
+"$tessera" train "$work/run.yaml" --resume auto > "$work/resume.log" 2> "$work/resume.err"
+grep -q "resumed from .*step-000002" "$work/resume.log"
+grep -q "skipping checkpoint .*step-000003.*corrupt" "$work/resume.err"
+[ "$(grep -c '"loss"' "$work/run/metrics.jsonl")" -eq 6 ]
+"$tessera" train "$work/run.yaml" --resume > "$work/resume2.log"   # plain --resume: the same as auto
+grep -q "resumed from .*step-000006" "$work/resume2.log"
 "$tessera" eval "$work/run" --data "$work/tokens.bin" --seq-len 16 --batches 2 --dump-logits "$work/logits.safetensors" > "$work/eval.log"
 grep -q perplexity "$work/eval.log"
 [ -s "$work/logits.safetensors" ]
@@ -49,4 +55,6 @@ head -c 100 "$work/tokens.bin" > "$work/short.bin"
 expect_error "$tessera" eval "$work/run" --data "$work/short.bin"
 echo "not yaml: [" > "$work/bad.yaml"
 expect_error "$tessera" train "$work/bad.yaml"
+expect_error "$tessera" train "$work/run.yaml" --resume "$work/no-such-checkpoint"
+expect_error "$tessera" train "$work/run.yaml" --resume "$work/run/checkpoints/step-000003"   # the damaged one
 echo "cli smoke test: all commands behaved"

@@ -33,7 +33,10 @@ std::vector<double> losses(const std::string& dir) {
   std::vector<double> out;
   std::ifstream in(dir + "/metrics.jsonl");
   std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(j.at("loss").get<double>());  // checkpoint lines have none
+  }
   return out;
 }
 
@@ -116,6 +119,25 @@ TEST(Trainer, BadConfigsNameTheKey) {
   j = make_config(dir, "x");
   j["model"]["num_heads"] = 5;
   EXPECT_NE(message(j).find("num_heads"), std::string::npos);
+  j = make_config(dir, "x");
+  j["model"]["vocab_size"] = 2.5e51;  // found by fuzz/fuzz_config: was undefined behaviour
+  EXPECT_NE(message(j).find("vocab_size"), std::string::npos);
+  j = make_config(dir, "x");
+  j["training"]["rewind"]["loss_z"] = -1;
+  EXPECT_NE(message(j).find("training.rewind"), std::string::npos);
+  j = make_config(dir, "x");
+  j["training"]["rewind"]["windw"] = 3;
+  EXPECT_NE(message(j).find("training.rewind.windw"), std::string::npos);
+  j = make_config(dir, "x");
+  j["training"]["fault_injection"]["nan_grad_at_step"] = "three";
+  EXPECT_NE(message(j).find("training.fault_injection.nan_grad_at_step"), std::string::npos);
+  // Text that is not UTF-8 (found by fuzz/fuzz_config: the error message itself used to throw).
+  try {
+    train::yaml_text_to_json("model: {architecture: \xff\xfe}", "test");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("UTF-8"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Trainer, OverridesParseAsYamlScalars) {

@@ -56,12 +56,17 @@ void add_train_commands(CLI::App& app) {
   // ---- train ----
   static std::string config_path;
   static std::vector<std::string> overrides;
-  static bool resume = false;
+  static std::vector<std::string> resume;
   static std::string device, precision, attention_backend;
   CLI::App* train_cmd = app.add_subcommand("train", "Train a model from a YAML/JSON config (see docs/training.md)");
   train_cmd->add_option("config", config_path, "Config file (YAML or JSON)")->required()->check(CLI::ExistingFile);
   train_cmd->add_option("--set", overrides, "Override a config key, e.g. --set training.steps=200 (repeatable)");
-  train_cmd->add_flag("--resume", resume, "Continue from the latest checkpoint in training.out_dir when there is one");
+  static CLI::Option* resume_opt = train_cmd->add_option(
+      "--resume", resume,
+      "Continue a run: `--resume` or `--resume auto` from the newest checkpoint in training.out_dir that verifies "
+      "(skipping damaged or partial ones with a warning; none at all starts afresh), `--resume DIR` from that "
+      "checkpoint directory");
+  resume_opt->expected(0, 1);
   train_cmd->add_option("--device", device, "auto, cpu or cuda (same as --set training.device=...)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   train_cmd->add_option("--precision", precision, "auto, fp32 or bf16 (same as --set training.precision=...)")
@@ -76,7 +81,17 @@ void add_train_commands(CLI::App& app) {
     if (!device.empty()) train::apply_override(j, "training.device=" + device);
     if (!precision.empty()) train::apply_override(j, "training.precision=" + precision);
     if (!attention_backend.empty()) train::apply_override(j, "training.attention_backend=" + attention_backend);
-    train::train(train::RunConfig::from_json(j), {.resume = resume});
+    train::TrainOptions options;
+    if (resume_opt->count() > 0) {
+      const std::string what = resume.empty() || resume.front().empty() ? "auto" : resume.front();
+      options.resume = true;
+      if (what != "auto") {
+        TESSERA_CHECK(std::filesystem::is_directory(what), "--resume takes `auto` or a checkpoint directory, got '",
+                      what, "'");
+        options.resume_from = what;
+      }
+    }
+    train::train(train::RunConfig::from_json(j), options);
   });
 
   // ---- prepare ----

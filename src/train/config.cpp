@@ -11,6 +11,45 @@ namespace tessera::train {
 
 namespace {
 
+// Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code points above
+// U+10FFFF). JSON strings must be: nlohmann::json refuses to print anything else, even in
+// an error message.
+bool valid_utf8(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    int n = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      i += 1;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    for (int k = 1; k <= n; ++k) {
+      if (i + k >= s.size()) return false;
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    static constexpr uint32_t kMin[4] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
+std::string checked_utf8(const std::string& s) {
+  TESSERA_CHECK(valid_utf8(s), "config: text that is not valid UTF-8 (", s.size(), " bytes)");
+  return s;
+}
+
 nlohmann::json yaml_to_json(const YAML::Node& node) {
   switch (node.Type()) {
     case YAML::NodeType::Null:
@@ -23,11 +62,11 @@ nlohmann::json yaml_to_json(const YAML::Node& node) {
     }
     case YAML::NodeType::Map: {
       nlohmann::json out = nlohmann::json::object();
-      for (const auto& kv : node) out[kv.first.as<std::string>()] = yaml_to_json(kv.second);
+      for (const auto& kv : node) out[checked_utf8(kv.first.as<std::string>())] = yaml_to_json(kv.second);
       return out;
     }
     case YAML::NodeType::Scalar: {
-      const std::string s = node.Scalar();
+      const std::string s = checked_utf8(node.Scalar());
       if (node.Tag() == "!") return s;  // quoted: always a string
       if (s == "true" || s == "True") return true;
       if (s == "false" || s == "False") return false;
@@ -67,12 +106,29 @@ void read(const nlohmann::json& section, const std::string& prefix, const char* 
   else if constexpr (std::is_same_v<T, bool>) ok = v.is_boolean();
   else if constexpr (std::is_integral_v<T>) ok = v.is_number_integer() && (std::is_signed_v<T> || v.get<int64_t>() >= 0);
   else if constexpr (std::is_floating_point_v<T>) ok = v.is_number();
-  TESSERA_CHECK(ok, "config: ", prefix, key, " has the wrong type or value: ", v.dump());
+  TESSERA_CHECK(ok, "config: ", prefix, key, " has the wrong type or value: ",
+                v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   out = v.get<T>();
 }
 
+// A list of non-negative integers; a single integer is a list of one.
+void read_steps(const nlohmann::json& section, const std::string& prefix, const char* key, std::vector<int64_t>& out) {
+  if (!section.contains(key)) return;
+  const nlohmann::json& v = section.at(key);
+  out.clear();
+  if (v.is_null()) return;
+  const nlohmann::json list = v.is_array() ? v : nlohmann::json::array({v});
+  for (const auto& item : list) {
+    TESSERA_CHECK(item.is_number_integer() && item.get<int64_t>() >= 0, "config: ", prefix, key,
+                  " must be a list of non-negative step numbers, got ",
+                  v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    out.push_back(item.get<int64_t>());
+  }
+}
+
 void check_keys(const nlohmann::json& section, const std::string& name, std::initializer_list<const char*> keys) {
-  TESSERA_CHECK(section.is_object(), "config: ", name, " must be a mapping, got ", section.dump());
+  TESSERA_CHECK(section.is_object(), "config: ", name, " must be a mapping, got ",
+                section.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   for (auto it = section.begin(); it != section.end(); ++it) {
     bool known = false;
     for (const char* k : keys) known = known || it.key() == k;
@@ -151,7 +207,8 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     const auto& t = j.at("training");
     check_keys(t, "training", {"steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches",
                                "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "precision", "attention_backend", "max_minutes",
-                               "sample_prompt", "sample_tokens", "init_from"});
+                               "sample_prompt", "sample_tokens", "init_from", "checkpoint_keep_last", "checkpoint_keep_every",
+                               "async_checkpoint", "skip_data_at_steps", "rewind", "fault_injection"});
     read(t, "training.", "steps", c.training.steps);
     read(t, "training.", "batch_size", c.training.batch_size);
     read(t, "training.", "seq_len", c.training.seq_len);
@@ -169,6 +226,34 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     read(t, "training.", "sample_prompt", c.training.sample_prompt);
     read(t, "training.", "init_from", c.training.init_from);
     read(t, "training.", "sample_tokens", c.training.sample_tokens);
+    read(t, "training.", "checkpoint_keep_last", c.training.checkpoint_keep_last);
+    read(t, "training.", "checkpoint_keep_every", c.training.checkpoint_keep_every);
+    read(t, "training.", "async_checkpoint", c.training.async_checkpoint);
+    read_steps(t, "training.", "skip_data_at_steps", c.training.skip_data_at_steps);
+    if (t.contains("rewind") && !t.at("rewind").is_null()) {
+      const auto& r = t.at("rewind");
+      check_keys(r, "training.rewind", {"enabled", "snapshot_interval", "window", "min_history", "loss_z", "grad_norm_z",
+                                        "skip_steps", "lr_scale", "lr_scale_steps", "max_rewinds", "max_rewinds_window"});
+      RewindConfig& w = c.training.rewind;
+      read(r, "training.rewind.", "enabled", w.enabled);
+      read(r, "training.rewind.", "snapshot_interval", w.snapshot_interval);
+      read(r, "training.rewind.", "window", w.window);
+      read(r, "training.rewind.", "min_history", w.min_history);
+      read(r, "training.rewind.", "loss_z", w.loss_z);
+      read(r, "training.rewind.", "grad_norm_z", w.grad_norm_z);
+      read(r, "training.rewind.", "skip_steps", w.skip_steps);
+      read(r, "training.rewind.", "lr_scale", w.lr_scale);
+      read(r, "training.rewind.", "lr_scale_steps", w.lr_scale_steps);
+      read(r, "training.rewind.", "max_rewinds", w.max_rewinds);
+      read(r, "training.rewind.", "max_rewinds_window", w.max_rewinds_window);
+    }
+    if (t.contains("fault_injection") && !t.at("fault_injection").is_null()) {
+      const auto& f = t.at("fault_injection");
+      check_keys(f, "training.fault_injection", {"nan_grad_at_step", "loss_spike_at_step", "nan_grad_from_step"});
+      read_steps(f, "training.fault_injection.", "nan_grad_at_step", c.training.fault_injection.nan_grad_at_step);
+      read_steps(f, "training.fault_injection.", "loss_spike_at_step", c.training.fault_injection.loss_spike_at_step);
+      read(f, "training.fault_injection.", "nan_grad_from_step", c.training.fault_injection.nan_grad_from_step);
+    }
   }
   // Values that parse but make no sense.
   const auto& t = c.training;
@@ -184,6 +269,16 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
                 "config: training.precision must be auto, fp32 or bf16, got \"", t.precision, "\"");
   TESSERA_CHECK(t.attention_backend == "auto" || t.attention_backend == "tessera" || t.attention_backend == "cudnn",
                 "config: training.attention_backend must be auto, tessera or cudnn, got \"", t.attention_backend, "\"");
+  TESSERA_CHECK(t.checkpoint_interval >= 0 && t.checkpoint_keep_last >= 0 && t.checkpoint_keep_every >= 0,
+                "config: training.checkpoint_interval, checkpoint_keep_last and checkpoint_keep_every must be >= 0");
+  const RewindConfig& rw = t.rewind;
+  TESSERA_CHECK(rw.snapshot_interval >= 0 && rw.window >= 3 && rw.min_history >= 3 && rw.min_history <= rw.window,
+                "config: training.rewind needs snapshot_interval >= 0 and 3 <= min_history <= window");
+  TESSERA_CHECK(rw.loss_z >= 0 && rw.grad_norm_z >= 0, "config: training.rewind.loss_z and grad_norm_z must be >= 0 (0 disables)");
+  TESSERA_CHECK(rw.skip_steps >= 0 && rw.lr_scale > 0 && rw.lr_scale <= 1 && rw.lr_scale_steps >= 0,
+                "config: training.rewind needs skip_steps >= 0, 0 < lr_scale <= 1, lr_scale_steps >= 0");
+  TESSERA_CHECK(rw.max_rewinds >= 0 && rw.max_rewinds_window > 0,
+                "config: training.rewind needs max_rewinds >= 0 and max_rewinds_window > 0");
   TESSERA_CHECK(c.optimizer.lr > 0, "config: optimizer.lr must be positive, got ", c.optimizer.lr);
   TESSERA_CHECK(c.optimizer.grad_clip >= 0, "config: optimizer.grad_clip must be >= 0, got ", c.optimizer.grad_clip);
   TESSERA_CHECK(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1 && c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1,
@@ -208,7 +303,20 @@ nlohmann::json RunConfig::to_json() const {
                         {"log_interval", training.log_interval}, {"seed", training.seed}, {"out_dir", training.out_dir},
                         {"device", training.device}, {"precision", training.precision},
                         {"attention_backend", training.attention_backend}, {"max_minutes", training.max_minutes},
-                        {"init_from", training.init_from}, {"sample_prompt", training.sample_prompt}, {"sample_tokens", training.sample_tokens}}}};
+                        {"init_from", training.init_from}, {"sample_prompt", training.sample_prompt}, {"sample_tokens", training.sample_tokens},
+                        {"checkpoint_keep_last", training.checkpoint_keep_last},
+                        {"checkpoint_keep_every", training.checkpoint_keep_every},
+                        {"async_checkpoint", training.async_checkpoint},
+                        {"skip_data_at_steps", training.skip_data_at_steps},
+                        {"rewind", {{"enabled", training.rewind.enabled}, {"snapshot_interval", training.rewind.snapshot_interval},
+                                    {"window", training.rewind.window}, {"min_history", training.rewind.min_history},
+                                    {"loss_z", training.rewind.loss_z}, {"grad_norm_z", training.rewind.grad_norm_z},
+                                    {"skip_steps", training.rewind.skip_steps}, {"lr_scale", training.rewind.lr_scale},
+                                    {"lr_scale_steps", training.rewind.lr_scale_steps}, {"max_rewinds", training.rewind.max_rewinds},
+                                    {"max_rewinds_window", training.rewind.max_rewinds_window}}},
+                        {"fault_injection", {{"nan_grad_at_step", training.fault_injection.nan_grad_at_step},
+                                             {"loss_spike_at_step", training.fault_injection.loss_spike_at_step},
+                                             {"nan_grad_from_step", training.fault_injection.nan_grad_from_step}}}}}};
 }
 
 }  // namespace tessera::train

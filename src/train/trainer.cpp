@@ -2,11 +2,15 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <deque>
 #include <fstream>
+#include <map>
+#include <set>
 
 #include "tessera/core/allocator.h"
 #include "tessera/data/loader.h"
@@ -18,6 +22,8 @@
 #include "tessera/ops/attention.h"
 #include "tessera/train/checkpoint.h"
 #include "tessera/train/optimizer.h"
+#include "train/async_checkpoint.h"
+#include "train/rewind.h"
 
 namespace fs = std::filesystem;
 
@@ -93,6 +99,34 @@ double unigram_entropy(const data::TokenFile& tokens, int64_t vocab) {
   return h;
 }
 
+// Keeps the lines of metrics.jsonl for steps <= `step`; drops later ones and any line that
+// does not parse (the torn last line of a process that was killed while writing it).
+void truncate_metrics_after(const std::string& path, int64_t step) {
+  if (!fs::exists(path)) return;
+  const std::string text = io::read_file(path);
+  std::string kept;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) break;  // no newline: torn
+    const std::string line = text.substr(begin, end - begin);
+    begin = end + 1;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) continue;
+    if (j["step"].get<int64_t>() <= step) kept += line + "\n";
+  }
+  if (kept != text) io::write_file_atomically(path, kept);
+}
+
+// Fault injection: a NaN in the first element of the first parameter's gradient.
+void poison_a_gradient(models::TransformerLM& model) {
+  nn::Parameter* p = model.parameters().front();
+  TESSERA_CHECK(p->grad.defined() && p->grad.dtype() == DType::F32, "fault injection: '", p->name, "' has no F32 gradient");
+  Tensor host = p->grad.device().is_cpu() ? p->grad : p->grad.to(Device::cpu());
+  host.data<float>()[0] = NAN;
+  if (!p->grad.device().is_cpu()) p->grad.copy_from(host);
+}
+
 std::string format_duration(double seconds) {
   char out[32];
   const long s = static_cast<long>(seconds + 0.5);
@@ -134,13 +168,28 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   Optimizer optimizer(model.parameters(), c.optimizer);
   int64_t step = 0;
   bool resumed = false;
+  // step -> steps' worth of data skipped when that step starts (configured, or left by rewinds).
+  std::map<int64_t, int64_t> skip_data;
+  for (int64_t s : t.skip_data_at_steps) skip_data[s] = std::max<int64_t>(skip_data[s], 1);
   if (options.resume) {
-    if (auto dir = latest_checkpoint(t.out_dir)) {
+    std::vector<std::string> skipped;
+    std::optional<std::string> dir;
+    if (!options.resume_from.empty()) {
+      dir = options.resume_from;  // load_checkpoint verifies it
+    } else {
+      dir = latest_checkpoint(t.out_dir, true, &skipped);
+    }
+    if (dir) {
       const CheckpointState state = load_checkpoint(*dir, model, &optimizer);
       step = state.step;
       train_loader.load_state(state.data_position);
+      if (state.extra.is_object() && state.extra.contains("skip_data"))
+        for (const auto& e : state.extra["skip_data"]) skip_data[e.at(0).get<int64_t>()] = e.at(1).get<int64_t>();
       resumed = true;
       if (!options.quiet) std::printf("train: resumed from %s at step %lld\n", dir->c_str(), static_cast<long long>(step));
+    } else if (!skipped.empty()) {
+      TESSERA_FAIL("train: --resume: none of the ", skipped.size(), " checkpoints under ", t.out_dir,
+                   "/checkpoints verifies (newest: ", skipped.front(), "); move them away to start afresh");
     }
   }
 
@@ -157,7 +206,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
       if (!fs::exists(fs::path(dir) / "state.json")) {
         auto latest = latest_checkpoint(dir);
         TESSERA_CHECK(latest.has_value(), "training.init_from: '", dir, "' is neither a Hugging Face model directory ",
-                      "(config.json), a checkpoint (state.json) nor a run directory");
+                      "(config.json), a checkpoint (state.json) nor a run directory with a verified checkpoint");
         dir = *latest;
       }
       load_checkpoint(dir, model, nullptr);
@@ -165,8 +214,12 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     if (!options.quiet) std::printf("train: initialised from %s\n", t.init_from.c_str());
   }
 
-  std::ofstream metrics(fs::path(t.out_dir) / "metrics.jsonl", step > 0 ? std::ios::app : std::ios::trunc);
-  TESSERA_CHECK(metrics.good(), "train: cannot write ", t.out_dir, "/metrics.jsonl");
+  const std::string metrics_path = (fs::path(t.out_dir) / "metrics.jsonl").string();
+  // A resumed run continues the metrics of the steps its checkpoint covers; lines of later
+  // steps (written before the run died) would otherwise appear twice.
+  if (step > 0) truncate_metrics_after(metrics_path, step);
+  std::ofstream metrics(metrics_path, step > 0 ? std::ios::app : std::ios::trunc);
+  TESSERA_CHECK(metrics.good(), "train: cannot write ", metrics_path);
   io::write_file_atomically((fs::path(t.out_dir) / "config.json").string(), c.to_json().dump(2));
 
   const int64_t tokens_per_step = t.batch_size * t.seq_len * t.grad_accum;
@@ -193,25 +246,145 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   TrainResult result;
   const bool tty = isatty(fileno(stdout));
   const auto start = std::chrono::steady_clock::now();
-  const int64_t first_step = step;
-  auto save = [&] {
-    result.checkpoint = save_checkpoint(t.out_dir, model, &optimizer,
-                                        {.step = step, .data_position = train_loader.state(), .config = c.to_json()});
+  int64_t first_step = step;
+  const RewindConfig& rw = t.rewind;
+  const Retention retention{.keep_last = t.checkpoint_keep_last, .keep_every = t.checkpoint_keep_every};
+  std::unique_ptr<AsyncCheckpointer> writer;
+  if (t.async_checkpoint) writer = std::make_unique<AsyncCheckpointer>(t.out_dir, retention);
+
+  auto current_state = [&] {
+    nlohmann::json skips = nlohmann::json::array();
+    for (const auto& [s, n] : skip_data) skips.push_back({s, n});
+    return CheckpointState{.step = step, .data_position = train_loader.state(), .config = c.to_json(),
+                           .extra = {{"skip_data", skips}}};
   };
+  // The rewind point: a host snapshot and where metrics.jsonl ended when it was taken.
+  std::shared_ptr<const CheckpointSnapshot> last_good;
+  uintmax_t last_good_metrics_bytes = 0;
+  auto keep_as_last_good = [&](std::shared_ptr<const CheckpointSnapshot> snapshot) {
+    metrics.flush();
+    last_good = std::move(snapshot);
+    last_good_metrics_bytes = fs::file_size(metrics_path);
+  };
+  double stall_total_ms = 0;
+  int64_t checkpoints = 0;
+  auto save = [&] {
+    const auto begin = std::chrono::steady_clock::now();
+    double waited = 0;
+    auto snapshot = std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &optimizer, current_state()));
+    if (writer) {
+      waited = writer->request(snapshot);
+      result.checkpoint = (fs::path(t.out_dir) / "checkpoints" / checkpoint_dir_name(step)).string();
+    } else {
+      result.checkpoint = write_checkpoint(t.out_dir, *snapshot, retention);
+    }
+    const double stall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+    stall_total_ms += stall_ms;
+    result.max_checkpoint_stall_ms = std::max(result.max_checkpoint_stall_ms, stall_ms);
+    checkpoints += 1;
+    // A line of its own (read_metrics joins it to the step): the step's line is written
+    // first, so a crash during the save never loses the loss of a checkpointed step.
+    metrics << nlohmann::json{{"step", step}, {"checkpoint_stall_ms", stall_ms}, {"checkpoint_wait_ms", waited * 1e3},
+                              {"checkpoint_async", writer != nullptr}}.dump()
+            << "\n" << std::flush;
+    if (rw.enabled && rw.snapshot_interval > 0) keep_as_last_good(std::move(snapshot));
+  };
+  if (rw.enabled && rw.snapshot_interval > 0)
+    keep_as_last_good(std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &optimizer, current_state())));
+
+  AnomalyDetector detector(rw);
+  std::deque<int64_t> rewinds;  // steps at which rewinds happened, within max_rewinds_window
+  int64_t lr_scaled_from = 0, lr_scaled_until = 0;  // the steps that run at lr * rewind.lr_scale
+  std::set<int64_t> faults_fired;  // (step, kind) of one-shot injected faults, kind in the low bit
+  auto fault_once = [&](const std::vector<int64_t>& steps, int kind) {
+    return std::find(steps.begin(), steps.end(), step) != steps.end() && faults_fired.insert(step * 2 + kind).second;
+  };
+  std::unique_ptr<std::ofstream> events;
+  auto log_event = [&](const nlohmann::json& event) {
+    if (!events) events = std::make_unique<std::ofstream>(fs::path(t.out_dir) / "events.jsonl", std::ios::app);
+    *events << event.dump() << "\n" << std::flush;
+  };
+
+  auto rewind = [&](int64_t bad_step, const std::string& why) {
+    rewinds.push_back(bad_step);
+    while (!rewinds.empty() && rewinds.front() <= bad_step - rw.max_rewinds_window) rewinds.pop_front();
+    const int64_t count = static_cast<int64_t>(rewinds.size());
+    if (count > rw.max_rewinds) {
+      log_event({{"event", "give_up"}, {"step", bad_step}, {"reason", why}, {"rewinds", count}});
+      TESSERA_FAIL("train: giving up at step ", bad_step, ": ", why, ". That is ", count, " faults within ",
+                   rw.max_rewinds_window, " steps (training.rewind.max_rewinds allows ", rw.max_rewinds,
+                   " rewinds), so the fault persists after rolling back and skipping data: suspect the model or optimizer ",
+                   "settings (lower optimizer.lr, raise optimizer.warmup_steps) or a long stretch of bad data ",
+                   "(raise training.rewind.skip_steps)");
+    }
+    std::string from;
+    int64_t back_to = 0;
+    metrics.close();
+    if (last_good) {
+      restore_snapshot(*last_good, model, &optimizer);
+      train_loader.load_state(last_good->data_position);
+      back_to = last_good->step;
+      fs::resize_file(metrics_path, last_good_metrics_bytes);
+      from = "memory";
+    } else {
+      if (writer) writer->wait();
+      const auto dir = latest_checkpoint(t.out_dir);
+      TESSERA_CHECK(dir.has_value(), "train: step ", bad_step, ": ", why, "; no state to roll back to (no in-memory ",
+                    "snapshot: training.rewind.snapshot_interval is 0, and no verified checkpoint yet)");
+      const CheckpointState state = load_checkpoint(*dir, model, &optimizer);
+      train_loader.load_state(state.data_position);
+      back_to = state.step;
+      truncate_metrics_after(metrics_path, back_to);
+      from = *dir;
+    }
+    metrics.open(metrics_path, std::ios::app);
+    TESSERA_CHECK(metrics.good(), "train: cannot reopen ", metrics_path);
+    if (rw.skip_steps > 0) skip_data[bad_step] = std::max(skip_data[bad_step], rw.skip_steps);
+    if (rw.lr_scale_steps > 0 && rw.lr_scale < 1) {
+      lr_scaled_from = bad_step;
+      lr_scaled_until = bad_step + rw.lr_scale_steps - 1;
+    }
+    detector.rewind_to(back_to);
+    result.rewinds += 1;
+    log_event({{"event", "rewind"}, {"step", bad_step}, {"reason", why}, {"back_to_step", back_to}, {"from", from},
+               {"skipped_data_steps", rw.skip_steps}, {"lr_scale", rw.lr_scale}, {"lr_scale_until_step", lr_scaled_until},
+               {"rewinds_in_window", count}});
+    std::fprintf(stderr, "%strain: step %lld: %s; rewound to step %lld (from %s), skipping %lld step(s) of data\n",
+                 tty ? "\n" : "", static_cast<long long>(bad_step), why.c_str(), static_cast<long long>(back_to),
+                 from.c_str(), static_cast<long long>(rw.skip_steps));
+    step = back_to;
+  };
+
+  const FaultInjectionConfig& faults = t.fault_injection;
   while (step < t.steps) {
     step += 1;
+    if (auto skip = skip_data.find(step); skip != skip_data.end())
+      for (int64_t i = 0; i < skip->second * t.grad_accum; ++i) (void)train_loader.next();
     model.zero_grad();
     double loss = 0;
     for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
       const data::Batch b = train_loader.next();
       loss += model.forward_backward(ctx, b.inputs, b.targets, 1.0f / t.grad_accum) / t.grad_accum;
     }
-    TESSERA_CHECK(std::isfinite(loss), "train: the loss became ", loss, " at step ", step,
-                  " (lower optimizer.lr or check the data)");
-    const double lr = learning_rate(c.optimizer, step, t.steps);
-    const double grad_norm = optimizer.step(ctx, lr);
+    if (!rw.enabled)
+      TESSERA_CHECK(std::isfinite(loss), "train: the loss became ", loss, " at step ", step,
+                    " (lower optimizer.lr or check the data)");
+    if ((faults.nan_grad_from_step > 0 && step >= faults.nan_grad_from_step) || fault_once(faults.nan_grad_at_step, 0))
+      poison_a_gradient(model);
+    double lr = learning_rate(c.optimizer, step, t.steps);
+    if (step >= lr_scaled_from && step <= lr_scaled_until) lr *= rw.lr_scale;
+    // A step that is rolled back may update with NaNs: the restore undoes it.
+    const double grad_norm = std::isfinite(loss) ? optimizer.step(ctx, lr) : NAN;
+    const double seen_loss = fault_once(faults.loss_spike_at_step, 1) ? loss * 10 + 10 : loss;
+    if (rw.enabled) {
+      if (auto why = detector.check(step, seen_loss, grad_norm)) {
+        rewind(step, *why);
+        continue;
+      }
+      detector.accept(step, seen_loss, grad_norm);
+    }
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const double rate = (step - first_step) * tokens_per_step / elapsed;
+    const double rate = std::max<int64_t>(step - first_step, 1) * tokens_per_step / elapsed;
     nlohmann::json line = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens_per_s", rate}};
     if (val_loader && (step % t.eval_interval == 0 || step == t.steps)) {
       result.last_val_loss = validation_loss();
@@ -223,7 +396,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     result.tokens_per_second = rate;
 
     if (!options.quiet && (step % t.log_interval == 0 || step == t.steps || line.contains("val_loss"))) {
-      const double eta = elapsed / (step - first_step) * (t.steps - step);
+      const double eta = elapsed / std::max<int64_t>(step - first_step, 1) * (t.steps - step);
       std::printf("%sstep %lld/%lld  loss %.4f  lr %.2e  |g| %.2f  %.0f tok/s  ETA %s%s", tty ? "\r" : "",
                   static_cast<long long>(step), static_cast<long long>(t.steps), loss, lr, grad_norm, rate,
                   format_duration(eta).c_str(), tty ? "   " : "\n");
@@ -232,16 +405,32 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     }
     const bool out_of_time = t.max_minutes > 0 && elapsed > t.max_minutes * 60;
     const bool stop_now = options.stop_after > 0 && step - first_step >= options.stop_after;
-    if ((t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0) || step == t.steps || out_of_time || stop_now) save();
+    const bool checkpoint_now =
+        (t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0) || step == t.steps || out_of_time || stop_now;
+    if (checkpoint_now) save();
+    if (rw.enabled && rw.snapshot_interval > 0 && step % rw.snapshot_interval == 0 && !checkpoint_now)
+      keep_as_last_good(std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &optimizer, current_state())));
     if (out_of_time) {
       if (!options.quiet) std::printf("\ntrain: stopping after %.1f minutes (training.max_minutes)\n", elapsed / 60);
       break;
     }
     if (stop_now) break;
   }
+  if (writer) {
+    const double final_wait_ms = writer->wait() * 1e3;
+    stall_total_ms += final_wait_ms;
+  }
+  result.checkpoints = checkpoints;
+  result.mean_checkpoint_stall_ms = checkpoints > 0 ? stall_total_ms / checkpoints : 0;
   if (!options.quiet) {
     std::printf("\ntrain: step %lld, loss %.4f, %.0f tokens/s; checkpoint %s\n", static_cast<long long>(result.step),
                 result.last_loss, result.tokens_per_second, result.checkpoint.c_str());
+    if (checkpoints > 0)
+      std::printf("train: %lld checkpoint(s) (%s), training stalled %.1f ms per checkpoint on average, %.1f ms at most\n",
+                  static_cast<long long>(checkpoints), writer ? "asynchronous" : "synchronous",
+                  result.mean_checkpoint_stall_ms, result.max_checkpoint_stall_ms);
+    if (result.rewinds > 0)
+      std::printf("train: %lld rewind(s), see %s/events.jsonl\n", static_cast<long long>(result.rewinds), t.out_dir.c_str());
     if (!t.sample_prompt.empty()) {
       std::vector<int32_t> prompt = tokenizer->encode(t.sample_prompt);
       infer::SamplingOptions sampling{.temperature = 0.8f, .top_k = 0, .top_p = 0.95f, .seed = t.seed,

@@ -1,19 +1,30 @@
-// Training checkpoints: a directory per save, written so that nothing saved is ever lost.
+// Training checkpoints: a directory per save, written so that nothing saved is ever lost and
+// nothing damaged is ever loaded.
 //
 //   OUT/checkpoints/step-000100/model.safetensors      parameters (tessera names, F32)
 //                              /optimizer.safetensors  AdamW moments
 //                              /state.json             step, data positions, config
-//   OUT/checkpoints/latest                             name of the newest complete save
+//                              /manifest.json          step, config hash, size + CRC-32 of each file
+//   OUT/checkpoints/latest                             name of the newest complete save (for people)
 //
-// Each file is written atomically (temporary, fsync, rename) into a temporary directory
-// that is renamed into place only when complete; `latest` is replaced last. A crash at
-// any point leaves the previous checkpoint loadable.
+// Each file is written atomically (temporary, fsync, rename) into "step-NNNNNN.tmp", the
+// manifest last; the directory is then renamed into place and `latest` replaced. A crash at
+// any point leaves the previous checkpoints loadable, and a checkpoint damaged afterwards
+// (a flipped byte, a truncated file) fails verification against its manifest.
+//
+// Saving is split in two so that it can run in the background (see async_checkpoint.h):
+// snapshot_training_state() copies everything to host memory (the only part the training
+// loop has to wait for), write_checkpoint() serialises a snapshot. Both paths produce the
+// same bytes.
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "tessera/io/safetensors.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/train/optimizer.h"
 
@@ -23,20 +34,75 @@ struct CheckpointState {
   int64_t step = 0;
   nlohmann::json data_position;  // the train loader's state
   nlohmann::json config;         // the run config (model section is checked on load)
+  nlohmann::json extra;          // trainer state beyond the above (data skipped by rewinds); may be null
 };
 
-// Writes a checkpoint of `model` (and `optimizer`, when given) and returns its directory.
+// Everything a checkpoint holds, copied to host memory (owned tensors, independent of the
+// model and optimizer, which may go on training).
+struct CheckpointSnapshot {
+  int64_t step = 0;
+  int64_t optimizer_step = 0;
+  nlohmann::json data_position, config, extra, model_config;
+  io::NamedTensors params;     // FP32 master weights, CPU
+  io::NamedTensors optimizer;  // AdamW moments, CPU; empty without an optimizer
+  bool has_optimizer = false;
+  // Pinned host memory the tensors above live in when copied from a GPU (recycled for the
+  // next snapshot once this one is gone); empty on the CPU.
+  std::vector<std::shared_ptr<void>> host_buffers;
+  size_t bytes() const;        // tensor bytes held
+};
+
+CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const Optimizer* optimizer,
+                                           const CheckpointState& state);
+
+// Puts a snapshot back into `model` (and `optimizer`): bit-exact, used by rewinds.
+void restore_snapshot(const CheckpointSnapshot& snapshot, models::TransformerLM& model, Optimizer* optimizer);
+
+// Which older checkpoints to delete after a successful save. keep_last > 0 keeps the newest
+// keep_last; keep_every > 0 also keeps every step that is a multiple of it. Both 0: keep all.
+struct Retention {
+  int64_t keep_last = 0;
+  int64_t keep_every = 0;
+};
+
+// Writes a snapshot as OUT/checkpoints/step-NNNNNN (replacing an older save of that step),
+// applies `retention` and returns the directory.
+std::string write_checkpoint(const std::string& out_dir, const CheckpointSnapshot& snapshot, const Retention& retention = {});
+
+// snapshot_training_state + write_checkpoint.
 std::string save_checkpoint(const std::string& out_dir, models::TransformerLM& model, const Optimizer* optimizer,
-                            const CheckpointState& state);
+                            const CheckpointState& state, const Retention& retention = {});
 
-// The directory of the newest complete checkpoint under out_dir, if any.
-std::optional<std::string> latest_checkpoint(const std::string& out_dir);
+// What is wrong with a checkpoint directory (missing or malformed manifest, a file missing,
+// of the wrong size or with the wrong checksum), naming the file; nullopt when it verifies.
+std::optional<std::string> checkpoint_problem(const std::string& checkpoint_dir);
+// Error with checkpoint_problem()'s message unless the checkpoint verifies.
+void verify_checkpoint(const std::string& checkpoint_dir);
 
-// Loads parameters into `model`; Error when the checkpoint's model config differs
+// "step-000100": the directory name of a step's checkpoint.
+std::string checkpoint_dir_name(int64_t step);
+
+// The complete checkpoint directories (step-NNNNNN, not .tmp) under OUT/checkpoints, oldest
+// first. Not verified.
+std::vector<std::string> list_checkpoints(const std::string& out_dir);
+
+// The newest checkpoint under out_dir that verifies, if any. Newer ones that do not verify
+// are skipped with a warning on stderr (unless `warn` is false); `skipped` collects them.
+std::optional<std::string> latest_checkpoint(const std::string& out_dir, bool warn = true,
+                                             std::vector<std::string>* skipped = nullptr);
+
+// Verifies the checkpoint, then loads parameters into `model` (and the moments into
+// `optimizer`). A directory without manifest.json but with state.json (written before
+// manifests existed) loads with a warning; latest_checkpoint() never picks one.
+// Error when it does not verify, when the checkpoint's model config differs
 // (another architecture or shape) or a tensor is missing or malformed.
 CheckpointState load_checkpoint(const std::string& checkpoint_dir, models::TransformerLM& model, Optimizer* optimizer);
 
 // Reads only the model config recorded in a checkpoint (to build the model first).
 models::ModelConfig checkpoint_model_config(const std::string& checkpoint_dir);
+
+// CRC-32 (zlib's polynomial) of a byte range, continuing from `crc`, and of a whole file.
+uint32_t crc32_bytes(const void* data, size_t size, uint32_t crc = 0);
+uint32_t crc32_file(const std::string& path, uint64_t* size = nullptr);
 
 }  // namespace tessera::train

@@ -29,6 +29,29 @@ struct OptimizerConfig {
   double grad_clip = 1.0;      // global-norm clipping; 0 disables
 };
 
+// Automatic rewind (see docs/checkpoints.md): detectors watch every step; on a trigger the
+// run goes back to the last good state, skips the data of the offending step(s) and goes on.
+struct RewindConfig {
+  bool enabled = true;
+  int64_t snapshot_interval = 100;  // steps between in-memory snapshots (host copies); 0: roll back to checkpoints only
+  int64_t window = 100;             // recent good steps the spike detectors compare against
+  int64_t min_history = 20;         // no spike detection before this many good steps
+  double loss_z = 6.0;              // loss spike: robust z-score (median/MAD) above this; 0 disables
+  double grad_norm_z = 0.0;         // gradient-norm spike threshold likewise; 0 disables
+  int64_t skip_steps = 1;           // steps' worth of data skipped from the offending step on
+  double lr_scale = 1.0;            // learning-rate factor after a rewind ...
+  int64_t lr_scale_steps = 0;       // ... for this many steps
+  int64_t max_rewinds = 3;          // give up after more than this many rewinds ...
+  int64_t max_rewinds_window = 1000;  // ... within this many steps
+};
+
+// Deterministic faults for tests: each listed step misbehaves the first time it runs.
+struct FaultInjectionConfig {
+  std::vector<int64_t> nan_grad_at_step;    // a NaN in one gradient before the optimizer step
+  std::vector<int64_t> loss_spike_at_step;  // the loss reads 10x (+10) as large
+  int64_t nan_grad_from_step = 0;           // > 0: a NaN gradient at this step and every later one (persistent)
+};
+
 struct TrainingConfig {
   int64_t steps = 1000;
   int64_t batch_size = 8;
@@ -37,6 +60,12 @@ struct TrainingConfig {
   int64_t eval_interval = 100;    // steps between validation losses; 0 disables
   int64_t eval_batches = 10;
   int64_t checkpoint_interval = 0;  // steps between checkpoints; 0: only at the end
+  int64_t checkpoint_keep_last = 0;   // keep the newest N checkpoints; 0: all
+  int64_t checkpoint_keep_every = 0;  // also keep every step that is a multiple of K; 0: none
+  bool async_checkpoint = true;       // write checkpoints on a background thread
+  std::vector<int64_t> skip_data_at_steps;  // the data these steps would read is skipped (as a rewind does)
+  RewindConfig rewind;
+  FaultInjectionConfig fault_injection;
   int64_t log_interval = 10;
   uint64_t seed = 1337;
   std::string out_dir = "runs/train";

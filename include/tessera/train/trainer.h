@@ -3,8 +3,11 @@
 // Per step: zero gradients, `grad_accum` micro-batches of forward+backward, clip by global
 // norm, one AdamW update at the scheduled learning rate. Validation loss every
 // eval_interval steps on a fixed set of held-out batches; checkpoints every
-// checkpoint_interval steps and at the end; one JSON line of metrics per step in
-// OUT/metrics.jsonl; a live progress line with loss, tokens/s and ETA.
+// checkpoint_interval steps and at the end (in the background unless
+// training.async_checkpoint is false); detectors that roll the run back to the last good
+// state on a NaN or a spike (training.rewind); one JSON line of metrics per step in
+// OUT/metrics.jsonl, rewinds in OUT/events.jsonl; a live progress line with loss, tokens/s
+// and ETA. See docs/training.md and docs/checkpoints.md.
 #pragma once
 
 #include <memory>
@@ -16,7 +19,8 @@
 namespace tessera::train {
 
 struct TrainOptions {
-  bool resume = false;   // continue from OUT/checkpoints/latest when it exists
+  bool resume = false;   // continue from the newest verified checkpoint in OUT/checkpoints, when there is one
+  std::string resume_from;  // with resume: this checkpoint directory (verified when it has a manifest) instead of the newest
   bool quiet = false;    // no progress line or summary (tests)
   int64_t stop_after = 0;  // stop (with a checkpoint) after this many steps of this call; 0: run to the end
 };
@@ -27,6 +31,9 @@ struct TrainResult {
   double last_val_loss = NAN;  // the last validation loss measured, NaN if none
   double tokens_per_second = 0;
   std::string checkpoint;      // the last checkpoint written
+  int64_t checkpoints = 0;     // checkpoints written by this call
+  double mean_checkpoint_stall_ms = 0, max_checkpoint_stall_ms = 0;  // training time lost per checkpoint
+  int64_t rewinds = 0;         // automatic rewinds (see training.rewind)
 };
 
 TrainResult train(const RunConfig& config, const TrainOptions& options = {});
