@@ -83,6 +83,42 @@ TEST(Trainer, ResumeIsBitIdentical) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
 }
 
+// With an fp8 section the blocks' linears train in FP8 (delayed scaling), and a resumed run
+// continues exactly: the amax history and scales are part of the checkpoint.
+TEST(Trainer, Fp8RunsAndResumesBitIdentically) {
+  const std::string straight = temp_dir("fp8_straight"), halves = temp_dir("fp8_halves"), plain = temp_dir("fp8_plain");
+  const std::string text = write_text(straight, 300);
+  auto fp8_config = [&](const std::string& dir) {
+    nlohmann::json j = make_config(dir, text);
+    j["training"]["precision"] = "bf16";
+    j["fp8"] = {{"recipe", "delayed"}, {"history_len", 4}};
+    return j;
+  };
+  train::train(train::RunConfig::from_json(fp8_config(straight)), {.quiet = true});
+  const train::RunConfig split = train::RunConfig::from_json(fp8_config(halves));
+  train::train(split, {.quiet = true, .stop_after = 4});
+  train::train(split, {.resume = true, .quiet = true});
+  const std::vector<double> a = losses(straight), b = losses(halves);
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 8u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+  // FP8 really ran: the same run in BF16 gives other losses (but similar ones).
+  nlohmann::json bf16 = make_config(plain, text);
+  bf16["training"]["precision"] = "bf16";
+  train::train(train::RunConfig::from_json(bf16), {.quiet = true});
+  const std::vector<double> c = losses(plain);
+  ASSERT_EQ(c.size(), 8u);
+  EXPECT_NE(a.back(), c.back());
+  EXPECT_NEAR(a.back(), c.back(), 0.15 * c.back());
+  // FP8 needs BF16 compute, and the recipe's keys are checked.
+  nlohmann::json f32 = fp8_config(plain);
+  f32["training"]["precision"] = "fp32";
+  EXPECT_THROW(train::train(train::RunConfig::from_json(f32), {.quiet = true}), Error);
+  nlohmann::json bad = fp8_config(plain);
+  bad["fp8"]["histroy_len"] = 3;
+  EXPECT_THROW(train::RunConfig::from_json(bad), Error);
+}
+
 TEST(Trainer, DatasetShorterThanOneBatchIsAClearError) {
   const std::string dir = temp_dir("short");
   const std::string text = write_text(dir, 1);  // ~50 bytes: fewer than 4 x 16 + 1 tokens

@@ -178,8 +178,9 @@ void apply_override(nlohmann::json& config, const std::string& assignment) {
 }
 
 RunConfig RunConfig::from_json(const nlohmann::json& j) {
-  check_keys(j, "", {"model", "data", "optimizer", "training"});
+  check_keys(j, "", {"model", "data", "optimizer", "training", "fp8"});
   RunConfig c;
+  if (j.contains("fp8") && !j.at("fp8").is_null()) c.fp8 = fp8::Recipe::from_json(j.at("fp8"), "fp8");
   if (j.contains("model")) c.model = models::ModelConfig::from_json(j.at("model"));
   if (j.contains("data")) {
     const auto& d = j.at("data");
@@ -291,7 +292,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
 }
 
 nlohmann::json RunConfig::to_json() const {
-  return {{"model", model.to_json()},
+  nlohmann::json out = {{"model", model.to_json()},
           {"data", {{"path", data.path}, {"text", data.text}, {"tokenizer", data.tokenizer}, {"vocab", data.vocab},
                     {"merges", data.merges}, {"validation_fraction", data.validation_fraction}}},
           {"optimizer", {{"lr", optimizer.lr}, {"min_lr_ratio", optimizer.min_lr_ratio}, {"warmup_steps", optimizer.warmup_steps},
@@ -317,6 +318,8 @@ nlohmann::json RunConfig::to_json() const {
                         {"fault_injection", {{"nan_grad_at_step", training.fault_injection.nan_grad_at_step},
                                              {"loss_spike_at_step", training.fault_injection.loss_spike_at_step},
                                              {"nan_grad_from_step", training.fault_injection.nan_grad_from_step}}}}}};
+  if (fp8) out["fp8"] = fp8->to_json();
+  return out;
 }
 
 }  // namespace tessera::train

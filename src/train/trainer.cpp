@@ -13,10 +13,12 @@
 #include <set>
 
 #include "tessera/core/allocator.h"
+#include "tessera/core/numeric.h"
 #include "tessera/data/loader.h"
 #include "tessera/data/token_file.h"
 #include "tessera/infer/generate.h"
 #include "tessera/io/atomic_file.h"
+#include "tessera/models/fp8_model.h"
 #include "tessera/models/hf_convert.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/ops/attention.h"
@@ -61,6 +63,39 @@ Context pick_device(const std::string& device) {
 
 // The compute dtype: BF16 with FP32 master weights on a GPU, FP32 on the CPU (where BF16
 // saves no time: the reference kernels compute in float either way).
+// The FP8 recipe's state (delayed scaling's amax history and scales) in a checkpoint's
+// trainer state: floats as their bit patterns, so that NaN amaxes and every bit survive JSON
+// and a resumed run scales exactly as the uninterrupted one would.
+nlohmann::json fp8_state_to_json(const nn::Fp8Scaling& scaling) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [name, tensor] : scaling.state_dict()) {
+    if (tensor.dtype() == DType::I64) {
+      out[name] = {{"shape", tensor.shape()}, {"i64", tensor.to_ints()}};
+      continue;
+    }
+    std::vector<uint32_t> bits;
+    for (float f : tensor.to_floats()) bits.push_back(float_bits(f));
+    out[name] = {{"shape", tensor.shape()}, {"f32_bits", bits}};
+  }
+  return out;
+}
+
+std::map<std::string, Tensor> fp8_state_from_json(const nlohmann::json& j) {
+  std::map<std::string, Tensor> out;
+  TESSERA_CHECK(j.is_object(), "train: the checkpoint's fp8 state is not an object");
+  for (const auto& [name, entry] : j.items()) {
+    const Shape shape = entry.at("shape").get<Shape>();
+    if (entry.contains("i64")) {
+      out[name] = Tensor::from_ints(entry.at("i64").get<std::vector<int64_t>>(), shape, DType::I64);
+    } else {
+      std::vector<float> values;
+      for (uint32_t b : entry.at("f32_bits").get<std::vector<uint32_t>>()) values.push_back(bits_float(b));
+      out[name] = Tensor::from_floats(values, shape);
+    }
+  }
+  return out;
+}
+
 DType pick_dtype(const std::string& precision, const Context& ctx) {
   if (precision == "bf16") return DType::BF16;
   if (precision == "fp32") return DType::F32;
@@ -166,6 +201,12 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   model.to(ctx.device);
   model.init(ctx, t.seed);
   Optimizer optimizer(model.parameters(), c.optimizer);
+  std::shared_ptr<nn::Fp8Scaling> fp8_state;
+  if (c.fp8) {
+    TESSERA_CHECK(dtype == DType::BF16, "train: the fp8 section needs BF16 compute (training.precision bf16, ",
+                  "or auto on CUDA); this run computes in ", dtype_name(dtype));
+    fp8_state = models::enable_fp8(ctx, model, *c.fp8);
+  }
   int64_t step = 0;
   bool resumed = false;
   // step -> steps' worth of data skipped when that step starts (configured, or left by rewinds).
@@ -185,6 +226,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
       train_loader.load_state(state.data_position);
       if (state.extra.is_object() && state.extra.contains("skip_data"))
         for (const auto& e : state.extra["skip_data"]) skip_data[e.at(0).get<int64_t>()] = e.at(1).get<int64_t>();
+      if (fp8_state && state.extra.is_object() && state.extra.contains("fp8"))
+        fp8_state->load_state_dict(ctx, fp8_state_from_json(state.extra["fp8"]));
       resumed = true;
       if (!options.quiet) std::printf("train: resumed from %s at step %lld\n", dir->c_str(), static_cast<long long>(step));
     } else if (!skipped.empty()) {
@@ -229,6 +272,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
                 ctx.device.is_cuda() ? "cuda" : "cpu", dtype == DType::BF16 ? "bf16 (fp32 master weights)" : "fp32",
                 static_cast<long long>(tokens.num_tokens()), tokenizer->name().c_str(),
                 static_cast<long long>(tokens_per_step));
+    if (fp8_state)
+      std::printf("train: FP8 (%s scaling) in %lld linear layers of the blocks\n", c.fp8->name().c_str(),
+                  static_cast<long long>(fp8_state->num_linears()));
     std::printf("train: unigram entropy of the data %.3f nats/token (the loss of a model that ignores context)\n",
                 unigram_entropy(tokens, c.model.vocab_size));
   }
@@ -255,8 +301,10 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   auto current_state = [&] {
     nlohmann::json skips = nlohmann::json::array();
     for (const auto& [s, n] : skip_data) skips.push_back({s, n});
+    nlohmann::json extra = {{"skip_data", skips}};
+    if (fp8_state) extra["fp8"] = fp8_state_to_json(*fp8_state);
     return CheckpointState{.step = step, .data_position = train_loader.state(), .config = c.to_json(),
-                           .extra = {{"skip_data", skips}}};
+                           .extra = std::move(extra)};
   };
   // The rewind point: a host snapshot and where metrics.jsonl ended when it was taken.
   std::shared_ptr<const CheckpointSnapshot> last_good;
@@ -365,6 +413,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
       const data::Batch b = train_loader.next();
       loss += model.forward_backward(ctx, b.inputs, b.targets, 1.0f / t.grad_accum) / t.grad_accum;
+      if (fp8_state) fp8_state->end_micro_batch(ctx);
     }
     if (!rw.enabled)
       TESSERA_CHECK(std::isfinite(loss), "train: the loss became ", loss, " at step ", step,
@@ -375,6 +424,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     if (step >= lr_scaled_from && step <= lr_scaled_until) lr *= rw.lr_scale;
     // A step that is rolled back may update with NaNs: the restore undoes it.
     const double grad_norm = std::isfinite(loss) ? optimizer.step(ctx, lr) : NAN;
+    if (fp8_state) fp8_state->end_step(ctx);                  // delayed scaling: next step's scales
+    if (c.model.is_moe()) model.update_expert_biases(ctx);   // auxiliary-loss-free balancing
     const double seen_loss = fault_once(faults.loss_spike_at_step, 1) ? loss * 10 + 10 : loss;
     if (rw.enabled) {
       if (auto why = detector.check(step, seen_loss, grad_norm)) {
@@ -386,6 +437,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double rate = std::max<int64_t>(step - first_step, 1) * tokens_per_step / elapsed;
     nlohmann::json line = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens_per_s", rate}};
+    if (c.model.is_moe()) line["aux_loss"] = model.last_aux_loss();  // router losses, part of `loss`
     if (val_loader && (step % t.eval_interval == 0 || step == t.steps)) {
       result.last_val_loss = validation_loss();
       line["val_loss"] = result.last_val_loss;
@@ -416,19 +468,20 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     }
     if (stop_now) break;
   }
-  if (writer) {
-    const double final_wait_ms = writer->wait() * 1e3;
-    stall_total_ms += final_wait_ms;
-  }
+  // The last asynchronous write is waited for before returning; reported apart from the
+  // per-checkpoint stalls, which are what training itself lost.
+  double final_wait_ms = 0;
+  if (writer) final_wait_ms = writer->wait() * 1e3;
   result.checkpoints = checkpoints;
   result.mean_checkpoint_stall_ms = checkpoints > 0 ? stall_total_ms / checkpoints : 0;
   if (!options.quiet) {
     std::printf("\ntrain: step %lld, loss %.4f, %.0f tokens/s; checkpoint %s\n", static_cast<long long>(result.step),
                 result.last_loss, result.tokens_per_second, result.checkpoint.c_str());
     if (checkpoints > 0)
-      std::printf("train: %lld checkpoint(s) (%s), training stalled %.1f ms per checkpoint on average, %.1f ms at most\n",
+      std::printf("train: %lld checkpoint(s) (%s), training stalled %.1f ms per checkpoint on average, %.1f ms at "
+                  "most; %.1f ms waiting for the last write at the end\n",
                   static_cast<long long>(checkpoints), writer ? "asynchronous" : "synchronous",
-                  result.mean_checkpoint_stall_ms, result.max_checkpoint_stall_ms);
+                  result.mean_checkpoint_stall_ms, result.max_checkpoint_stall_ms, final_wait_ms);
     if (result.rewinds > 0)
       std::printf("train: %lld rewind(s), see %s/events.jsonl\n", static_cast<long long>(result.rewinds), t.out_dir.c_str());
     if (!t.sample_prompt.empty()) {

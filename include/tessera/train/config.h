@@ -8,6 +8,9 @@
 #include <string>
 #include <vector>
 
+#include <optional>
+
+#include "tessera/fp8/recipe.h"
 #include "tessera/models/config.h"
 
 namespace tessera::train {
@@ -83,6 +86,9 @@ struct RunConfig {
   DataConfig data;
   OptimizerConfig optimizer;
   TrainingConfig training;
+  // The `fp8` section: the blocks' linear layers train in FP8 under this recipe (needs BF16
+  // precision; see docs/fp8.md). Absent: no FP8.
+  std::optional<fp8::Recipe> fp8;
 
   static RunConfig from_json(const nlohmann::json& j);
   nlohmann::json to_json() const;
