@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "bench_models.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/philox.h"
 #include "tessera/dist/data_parallel.h"
@@ -33,14 +34,9 @@
 #endif
 
 using namespace tessera;
+using tessera::bench::named_or_json;
 
 namespace {
-
-models::ModelConfig named_or_json(const std::string& text) {
-  if (text == "gpt2-124m") return models::ModelConfig::gpt2_124m();
-  if (text == "llama3.2-1b") return models::ModelConfig::llama32_1b();
-  return models::ModelConfig::from_json(nlohmann::json::parse(text));
-}
 
 int local_rank(int world_rank) {
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK"})

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "bench_models.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/philox.h"
 #include "tessera/models/fp8_model.h"
@@ -29,22 +30,8 @@
 #endif
 
 using namespace tessera;
-
-namespace {
-
-models::ModelConfig named_or_json(const std::string& text) {
-  if (text == "gpt2-124m") return models::ModelConfig::gpt2_124m();
-  if (text == "llama3.2-1b") return models::ModelConfig::llama32_1b();
-  return models::ModelConfig::from_json(nlohmann::json::parse(text));
-}
-
-// Model FLOPs per token of a training step (PaLM's count): 6 per parameter plus the
-// attention score and value products, 12 * layers * hidden * seq (no causal discount).
-double flops_per_token(const models::ModelConfig& c, int64_t params, int64_t seq) {
-  return 6.0 * double(params) + 12.0 * double(c.num_layers) * double(c.hidden_size) * double(seq);
-}
-
-}  // namespace
+using tessera::bench::flops_per_token;
+using tessera::bench::named_or_json;
 
 int main(int argc, char** argv) {
   CLI::App app{"Time tessera's training step on random tokens"};
