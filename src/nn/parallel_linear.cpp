@@ -252,7 +252,6 @@ TensorParallelSelfAttention::TensorParallelSelfAttention(const std::string& name
           c.bias, dtype, parallel),
       proj(name + ".proj", c.hidden, c.hidden, c.bias, dtype, parallel),
       config_(c),
-      head_dim_(c.hidden / c.num_heads),
       local_heads_(local_count(c.num_heads, parallel.tensor_size, name, "num_heads")),
       local_kv_heads_(local_count(c.num_kv_heads, parallel.tensor_size, name, "num_kv_heads")) {}
 
@@ -264,36 +263,14 @@ void TensorParallelSelfAttention::load_full(Context& ctx, SelfAttention& full) {
 // As SelfAttention::forward, with this rank's heads.
 Tensor TensorParallelSelfAttention::forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq,
                                             Saved& saved) const {
-  const int64_t hq = local_heads_, hkv = local_kv_heads_, d = head_dim_;
-  const Tensor fused = qkv.forward(ctx, x, saved.qkv_in).reshape({batch, seq, hq + 2 * hkv, d});
-  if (config_.rope) {
-    Tensor qk = fused.slice(2, 0, hq + hkv);
-    rope_forward(ctx, qk, qk, {.theta = config_.rope_theta});
-  }
-  saved.q = fused.slice(2, 0, hq);
-  saved.k = fused.slice(2, hq, hq + hkv);
-  saved.v = fused.slice(2, hq + hkv, hq + 2 * hkv);
-  const DType stats = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
-  saved.out = Tensor::empty({batch, seq, hq, d}, x.dtype(), ctx.device);
-  saved.lse = Tensor::empty({batch, hq, seq}, stats, ctx.device);
-  attention_forward(ctx, saved.q, saved.k, saved.v, saved.out, saved.lse, {.causal = config_.causal});
-  return proj.forward(ctx, saved.out.reshape({batch * seq, hq * d}), saved.out_in);
+  const Tensor fused = qkv.forward(ctx, x, saved.qkv_in);
+  const Tensor out = attention_core_forward(ctx, config_, fused, batch, seq, local_heads_, local_kv_heads_, saved);
+  return proj.forward(ctx, out, saved.out_in);
 }
 
 Tensor TensorParallelSelfAttention::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
-  const int64_t batch = saved.q.size(0), seq = saved.q.size(1);
-  const int64_t hq = local_heads_, hkv = local_kv_heads_, d = head_dim_;
-  const Tensor d_out = proj.backward_input(ctx, dy, saved.out_in).reshape({batch, seq, hq, d});
-  saved.d_qkv = Tensor::empty({batch, seq, hq + 2 * hkv, d}, d_out.dtype(), ctx.device);
-  Tensor dq = saved.d_qkv.slice(2, 0, hq), dk = saved.d_qkv.slice(2, hq, hq + hkv);
-  Tensor dv = saved.d_qkv.slice(2, hq + hkv, hq + 2 * hkv);
-  attention_backward(ctx, d_out, saved.q, saved.k, saved.v, saved.out, saved.lse, dq, dk, dv,
-                     {.causal = config_.causal});
-  if (config_.rope) {
-    Tensor d_qk = saved.d_qkv.slice(2, 0, hq + hkv);
-    rope_backward(ctx, d_qk, d_qk, {.theta = config_.rope_theta});
-  }
-  saved.d_qkv = saved.d_qkv.reshape({batch * seq, (hq + 2 * hkv) * d});
+  const Tensor d_out = proj.backward_input(ctx, dy, saved.out_in);
+  attention_core_backward(ctx, config_, d_out, local_heads_, local_kv_heads_, saved);
   return qkv.backward_input(ctx, saved.d_qkv, saved.qkv_in);
 }
 

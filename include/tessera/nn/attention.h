@@ -14,12 +14,25 @@ struct AttentionConfig {
   bool causal = true;
 };
 
+// The part of self-attention between its two projections, shared by SelfAttention and its
+// tensor-parallel form (nn/parallel_linear.h): Q, K and V stay in the fused QKV output, RoPE
+// rotates Q and K there in place in one pass, attention reads the head slices; backward
+// writes dQ, dK, dV straight into the fused gradient and undoes the rotation in place.
+struct AttentionCoreSaved {
+  Tensor q, k, v, out, lse;  // head slices of the fused QKV output (q and k after RoPE)
+  Tensor d_qkv;              // filled by the backward, consumed by the QKV weight gradient
+};
+// fused: the QKV projection's output [B*T, (hq + 2 hkv) * D]; returns out [B*T, hq * D].
+Tensor attention_core_forward(Context& ctx, const AttentionConfig& config, const Tensor& fused, int64_t batch,
+                              int64_t seq, int64_t hq, int64_t hkv, AttentionCoreSaved& saved);
+// d_out [B*T, hq * D]; returns (and keeps in saved.d_qkv) the gradient of the fused output.
+Tensor attention_core_backward(Context& ctx, const AttentionConfig& config, const Tensor& d_out, int64_t hq,
+                               int64_t hkv, AttentionCoreSaved& saved);
+
 class SelfAttention {
  public:
-  struct Saved {
+  struct Saved : AttentionCoreSaved {
     Linear::Saved qkv_in, out_in;
-    Tensor q, k, v, out, lse;  // head slices of the fused QKV output (q and k after RoPE)
-    Tensor d_qkv;              // filled by backward_input, consumed by backward_weight
   };
   SelfAttention(const std::string& name, const AttentionConfig& config, DType dtype, const ParallelContext& parallel = {});
 
@@ -32,7 +45,6 @@ class SelfAttention {
 
  private:
   AttentionConfig config_;
-  int64_t head_dim_;
 };
 
 }  // namespace tessera::nn

@@ -122,10 +122,9 @@ class TensorParallelMLP {
 // row-parallel output projection sums the ranks' shares. Same function as nn::SelfAttention.
 class TensorParallelSelfAttention {
  public:
-  struct Saved {
+  struct Saved : AttentionCoreSaved {
     ColumnParallelLinear::Saved qkv_in;
     RowParallelLinear::Saved out_in;
-    Tensor q, k, v, out, lse, d_qkv;
   };
   TensorParallelSelfAttention(const std::string& name, const AttentionConfig& config, DType dtype,
                               const ParallelContext& parallel);
@@ -142,7 +141,7 @@ class TensorParallelSelfAttention {
 
  private:
   AttentionConfig config_;
-  int64_t head_dim_, local_heads_, local_kv_heads_;
+  int64_t local_heads_, local_kv_heads_;
 };
 
 }  // namespace tessera::nn
