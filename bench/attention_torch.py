@@ -9,30 +9,15 @@ Prints a table in the same form.
 
 Usage: python3 bench/attention_torch.py [runs]
 """
-import statistics
 import sys
 
 import torch
+from torch_timing import median_ms
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SHAPES = [(4, 32, 4096, 128, True), (16, 12, 1024, 64, True)]
 BACKENDS = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]
-
-
-def median_ms(fn, runs, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def bench(B, H, T, D, causal, name, backend, runs):

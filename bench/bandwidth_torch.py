@@ -15,29 +15,14 @@ and activations' forwards and backwards written as plain formulas.
 
 Usage: python3 bench/bandwidth_torch.py [runs] [--no-compile]
 """
-import statistics
 import sys
 
 import torch
+from torch_timing import median_ms
 import torch.nn.functional as F
 
 SHAPES = [(16384, 4096), (16384, 768)]
 EPS = 1e-5
-
-
-def median_ms(fn, runs, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 class Table:
