@@ -18,6 +18,7 @@
 #   demo           `tessera train configs/demo.yaml --device cuda` end to end (sample + plot);
 #                  the text is data/kjv.txt when present, else the repository's docs
 #
+# BUILD_TARGETS="a b" builds only those targets (the tessera binary is always wanted).
 # SANITIZE_ONLY=name limits the sanitizer to test_gpu_<name>; SANITIZE_TIMEOUT (seconds,
 # default 240) bounds each sanitizer run.
 set -uo pipefail
@@ -46,7 +47,10 @@ git log -1 --format='commit %H' 2>/dev/null || true
 log "configure + build (CUDA ON)"
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTESSERA_CUDA=ON 2>&1 | tail -3
 start=$(date +%s)
-cmake --build build-gpu -j "$jobs" 2>&1 | grep -E "error|FAILED" | head -40
+# BUILD_TARGETS (space-separated) limits the build to what the chosen parts run, e.g.
+# BUILD_TARGETS="tessera bench_train_step" for bench / bench-compile alone.
+# shellcheck disable=SC2086
+cmake --build build-gpu -j "$jobs" ${BUILD_TARGETS:+--target $BUILD_TARGETS} 2>&1 | grep -E "error|FAILED" | head -40
 echo "build took $(( $(date +%s) - start )) s"
 [ -x build-gpu/tessera ] || { echo "build failed"; exit 1; }
 build-gpu/tessera info
