@@ -15,6 +15,8 @@
 #                  (current and delayed scaling) against tessera BF16 and PyTorch eager
 #   bandwidth      norm / elementwise / loss / FP8-cast kernels against the copy bandwidth
 #   profile        where the time of a training step goes, kernel by kernel (ncu), GPT-2 and Llama
+#   checkpoint     training stall per checkpoint, asynchronous against synchronous saves, for the
+#                  Llama-3.2-1B-shaped model (bench/checkpoint_stall.sh)
 #   demo           `tessera train configs/demo.yaml --device cuda` end to end (sample + plot);
 #                  the text is data/kjv.txt when present, else the repository's docs
 #
@@ -137,6 +139,11 @@ if want bandwidth; then
   log "bandwidth: norm / elementwise / loss / FP8 casts at 16384x4096 BF16 vs cudaMemcpy and PyTorch"
   build-gpu/bench_bandwidth 2>&1 | tee "$out/bench-bandwidth.log"
   python3 bench/bandwidth_torch.py 2>&1 | tee -a "$out/bench-bandwidth.log"
+fi
+
+if want checkpoint; then
+  log "checkpoint stall: async vs sync, Llama-3.2-1B-shaped"
+  bash bench/checkpoint_stall.sh build-gpu /tmp/checkpoint-stall 2>&1 | tee "$out/checkpoint-stall.log"
 fi
 
 if want profile; then
