@@ -6,6 +6,8 @@ Models (random tokens, BF16 compute, FP32 master weights, AdamW):
          embeddings, BF16 autocast, fused AdamW), eager and optionally torch.compile.
   gpt2-v50304  the same with the vocabulary padded to 50304 (a multiple of 64), as nanoGPT
          and llm.c train it: every implementation's LM head GEMMs get aligned shapes.
+  mixtral2  two layers of Mixtral-8x7B (8 experts top-2), B=4 T=2048. PyTorch: Hugging Face
+         MixtralForCausalLM (router aux loss on); MFU over the active parameters.
   llama  Llama-3.2-1B-shaped (1.24B parameters), B=4 T=2048. PyTorch: Hugging Face
          LlamaForCausalLM (SDPA attention), BF16 autocast, fused AdamW.
 
@@ -112,6 +114,44 @@ def llama_torch(batch, seq, compile_model):
     return Wrap(model), params, 16, 2048, 128256
 
 
+# 2 layers of Mixtral-8x7B (8 experts top-2, hidden 4096, ffn 14336 per expert, GQA 32/8).
+MIXTRAL2 = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=2, num_heads=32,
+                num_kv_heads=8, max_seq_len=2048, rope_theta=1e6, num_experts=8, num_experts_per_tok=2)
+
+
+def mixtral2_torch(batch, seq, compile_model):
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    m = MIXTRAL2
+    cfg = MixtralConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                        intermediate_size=m["intermediate_size"], num_hidden_layers=m["num_layers"],
+                        num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
+                        max_position_embeddings=m["max_seq_len"], rope_theta=m["rope_theta"],
+                        num_local_experts=m["num_experts"], num_experts_per_tok=m["num_experts_per_tok"],
+                        tie_word_embeddings=False, router_aux_loss_coef=0.01, output_router_logits=True)
+    cfg._attn_implementation = "sdpa"
+    model = MixtralForCausalLM(cfg).cuda()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, idx, targets):
+            return self.m(input_ids=idx, labels=targets).loss
+
+    return Wrap(model), active_params(model), m["num_layers"], m["hidden_size"], m["vocab_size"]
+
+
+def active_params(model):
+    """Parameters a token passes through (top-2 of 8 experts): what MFU counts for an MoE."""
+    total = sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    k, e = MIXTRAL2["num_experts_per_tok"], MIXTRAL2["num_experts"]
+    return total - expert + expert * k // e
+
+
 def run_torch(name, batch, seq, compile_model, warmup, steps):
     import torch
 
@@ -119,6 +159,8 @@ def run_torch(name, batch, seq, compile_model, warmup, steps):
     torch.backends.cuda.matmul.allow_tf32 = True
     if name == "llama":
         model, params, layers, hidden, vocab = llama_torch(batch, seq, compile_model)
+    elif name == "mixtral2":
+        model, params, layers, hidden, vocab = mixtral2_torch(batch, seq, compile_model)
     else:
         model, params, layers, hidden, vocab = gpt2_torch(batch, seq, compile_model, VOCAB[name])
     if compile_model:
@@ -146,11 +188,14 @@ def run_torch(name, batch, seq, compile_model, warmup, steps):
     return out
 
 
-VOCAB = {"gpt2": 50257, "gpt2-v50304": 50304, "llama": 128256}
+VOCAB = {"gpt2": 50257, "gpt2-v50304": 50304, "llama": 128256, "mixtral2": MIXTRAL2["vocab_size"]}
 
 
 def run_tessera(build, name, batch, seq, warmup, steps, fp8=None):
     model = "llama3.2-1b" if name == "llama" else "gpt2-124m"
+    if name == "mixtral2":
+        model = json.dumps(dict(MIXTRAL2, architecture="mixtral", tie_embeddings=False,
+                                router_aux_loss_coef=0.01))
     cmd = [os.path.join(build, "bench_train_step"), "--model", model, "--device", "cuda", "--precision", "bf16",
            "--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup),
            "--vocab", str(VOCAB[name])]
@@ -159,6 +204,11 @@ def run_tessera(build, name, batch, seq, warmup, steps, fp8=None):
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     result = json.loads(out)
     result["impl"] = f"tessera fp8 ({fp8} scaling)" if fp8 else "tessera bf16"
+    if name == "mixtral2":  # MFU over the active parameters, as for PyTorch's figure
+        m, p = MIXTRAL2, result["params"]
+        expert = 3 * m["num_layers"] * m["num_experts"] * m["hidden_size"] * m["intermediate_size"]
+        active = p - expert + expert * m["num_experts_per_tok"] // m["num_experts"]
+        result["mfu"] = result["tokens_per_s"] * flops_per_token(active, m["num_layers"], m["hidden_size"], seq) / PEAK
     return result
 
 
@@ -172,7 +222,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
-    shapes = {"gpt2": (16, 1024), "gpt2-v50304": (16, 1024), "llama": (4, 2048)}
+    shapes = {"gpt2": (16, 1024), "gpt2-v50304": (16, 1024), "llama": (4, 2048), "mixtral2": (4, 2048)}
     rows = []
     for name in args.models.split(","):
         batch, seq = shapes[name]

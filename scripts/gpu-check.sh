@@ -15,6 +15,8 @@
 #                  (current and delayed scaling) against tessera BF16 and PyTorch eager
 #   bandwidth      norm / elementwise / loss / FP8-cast kernels against the copy bandwidth
 #   profile        where the time of a training step goes, kernel by kernel (ncu), GPT-2 and Llama
+#   moe            the Mixtral expert MLP (bench_moe vs PyTorch loop and torch._grouped_mm), and a
+#                  2-layer Mixtral-8x7B-shaped training step against Hugging Face
 #   checkpoint     training stall per checkpoint, asynchronous against synchronous saves, for the
 #                  Llama-3.2-1B-shaped model (bench/checkpoint_stall.sh)
 #   demo           `tessera train configs/demo.yaml --device cuda` end to end (sample + plot);
@@ -139,6 +141,13 @@ if want bandwidth; then
   log "bandwidth: norm / elementwise / loss / FP8 casts at 16384x4096 BF16 vs cudaMemcpy and PyTorch"
   build-gpu/bench_bandwidth 2>&1 | tee "$out/bench-bandwidth.log"
   python3 bench/bandwidth_torch.py 2>&1 | tee -a "$out/bench-bandwidth.log"
+fi
+
+if want moe; then
+  log "MoE: expert MLP and a 2-layer Mixtral step"
+  build-gpu/bench_moe 2>&1 | tee "$out/bench-moe.log"
+  python3 bench/moe_torch.py 2>&1 | tee -a "$out/bench-moe.log"
+  python3 bench/gpu_train_step.py --build build-gpu --models mixtral2 2>&1 | tee -a "$out/bench-moe.log"
 fi
 
 if want checkpoint; then
