@@ -22,6 +22,7 @@
 #   demo           `tessera train configs/demo.yaml --device cuda` end to end (sample + plot);
 #                  the text is data/kjv.txt when present, else the repository's docs
 #
+# TEST_REGEX limits the GPU tests to those whose name matches (ctest -R).
 # BUILD_TARGETS="a b" builds only those targets (the tessera binary is always wanted).
 # SANITIZE_ONLY=name limits the sanitizer to test_gpu_<name>; SANITIZE_TIMEOUT (seconds,
 # default 240) bounds each sanitizer run.
@@ -99,7 +100,7 @@ fi
 
 if want tests; then
   log "GPU tests"
-  (cd build-gpu && ctest -L gpu --output-on-failure -j 4 > "$out/gpu-tests.log" 2>&1)
+  (cd build-gpu && ctest -L gpu ${TEST_REGEX:+-R "$TEST_REGEX"} --output-on-failure -j 4 > "$out/gpu-tests.log" 2>&1)
   grep -E "Failed|\*\*\*" "$out/gpu-tests.log" | head -20
   tail -6 "$out/gpu-tests.log"
   summary+=("gpu tests: $(grep -E 'tests passed' "$out/gpu-tests.log")")
