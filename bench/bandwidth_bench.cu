@@ -201,7 +201,7 @@ void run_shape(int64_t R, int64_t C) {
     table.add("cudaMemcpyAsync D2D", 2 * A, ms, c.text());
     if (table.wanted("copy")) {
       const int64_t strides[2] = {C, 1}, shape[2] = {R, C};
-      auto fn = [&] { cuda::copy_strided(out.raw_data(), strides, x.raw_data(), strides, shape, 2, 2); };
+      auto fn = [&] { cuda::copy_strided(nullptr, out.raw_data(), strides, x.raw_data(), strides, shape, 2, 2); };
       const double ms2 = median_ms(fn, g_runs);
       poison(out);
       fn();

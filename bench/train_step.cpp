@@ -6,7 +6,13 @@
 // Prints one JSON line: median/min step time over `steps` timed steps after `warmup`
 // untimed ones, tokens per second and MFU from the median, and on CUDA the peak memory
 // the caching allocator held. Every step ends with the loss and gradient norm on the host,
-// so wall-clock time per step is the GPU time of the step. The side-by-side comparisons
+// so wall-clock time per step is the GPU time of the step. On CUDA everything runs on one
+// non-blocking stream, as `tessera train` does.
+//
+// --cuda-graph: after the eager steps, the same model trains on with its step captured into
+// a CUDA graph (train::CudaGraphStep: `warmup` uncaptured steps, the capture, then `steps`
+// timed replays); the line then reports the captured step's times, with the eager median
+// beside them (eager_median_step_s) and, when the capture was refused or failed, why. The side-by-side comparisons
 // with PyTorch are bench/cpu_train_step.py and bench/gpu_train_step.py; where the GPU time
 // of a step goes, kernel by kernel, is bench/profile_step.py (uses --profile).
 #include <CLI/CLI.hpp>
@@ -19,9 +25,11 @@
 #include "bench_models.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/philox.h"
+#include "tessera/core/stream.h"
 #include "tessera/models/fp8_model.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/train/optimizer.h"
+#include "train/cuda_graph_step.h"
 
 #if TESSERA_WITH_CUDA
 #include <cuda_profiler_api.h>
@@ -58,12 +66,18 @@ int main(int argc, char** argv) {
   app.add_flag("--profile", profile,
                "Mark the last step for a profiler started with profiling off (ncu --profile-from-start off; "
                "bench/profile_step.py does this)");
+  bool cuda_graph = false;
+  app.add_flag("--cuda-graph", cuda_graph,
+               "Also time the step captured into a CUDA graph (after the eager steps; reports both medians)");
   CLI11_PARSE(app, argc, argv);
   try {
     models::ModelConfig config = named_or_json(model_json);
     if (vocab > 0) config.vocab_size = vocab;
     if (device == "cuda" && !cuda_available()) throw std::runtime_error("--device cuda: no GPU present");
     Context ctx = device == "cuda" ? Context::cuda() : Context::cpu();
+    const Stream stream = Stream::create(ctx.device);
+    ctx.stream = stream.get();
+    const StreamGuard stream_guard(ctx);
     models::TransformerLM model(config, precision == "bf16" ? DType::BF16 : DType::F32);
     model.to(ctx.device);
     model.init(ctx, 1);
@@ -99,7 +113,36 @@ int main(int argc, char** argv) {
       if (s >= warmup) times.push_back(seconds);
     }
     std::sort(times.begin(), times.end());
-    const double median = times[times.size() / 2];
+    double median = times[times.size() / 2];
+    nlohmann::json graph_info;
+    if (cuda_graph) {
+      train::RunConfig run;
+      run.model = config;
+      if (fp8_state) run.fp8 = fp8::Recipe::from_json({{"recipe", fp8_recipe}});
+      const double eager_median = median;
+      graph_info = {{"cuda_graph", false}, {"eager_median_step_s", eager_median}};
+      if (auto why = train::cuda_graph_blocker(run, ctx.device)) {
+        graph_info["cuda_graph_refused"] = *why;
+      } else {
+        train::CudaGraphStep graph(ctx, model, optimizer,
+                                   {.batch_size = batch, .seq_len = seq, .grad_accum = 1,
+                                    .warmup_steps = std::max<int64_t>(warmup, 1)});
+        const std::vector<data::Batch> batches = {{inputs, targets}};
+        std::vector<double> graph_times;
+        for (int64_t s = 0; s < std::max<int64_t>(warmup, 1) + steps; ++s) {
+          const auto start = std::chrono::steady_clock::now();
+          loss = graph.step(batches, 1e-4).loss;
+          const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          if (s >= std::max<int64_t>(warmup, 1)) graph_times.push_back(seconds);
+        }
+        std::sort(graph_times.begin(), graph_times.end());
+        times = graph_times;
+        median = times[times.size() / 2];
+        graph_info["cuda_graph"] = graph.captured();
+        if (!graph.failure().empty()) graph_info["cuda_graph_failure"] = graph.failure();
+        graph_info["speedup"] = eager_median / median;
+      }
+    }
     const double tokens_per_s = batch * seq / median;
     nlohmann::json out = {{"impl", "tessera"},
                           {"device", device},
@@ -110,6 +153,7 @@ int main(int argc, char** argv) {
                           {"tokens_per_s", tokens_per_s},
                           {"mfu", tokens_per_s * flops_per_token(config, model.num_parameters(), seq) / 989e12},
                           {"loss", loss}};
+    if (cuda_graph) out.update(graph_info);
 #if TESSERA_WITH_CUDA
     if (ctx.device.is_cuda()) out["peak_memory_gib"] = double(cuda::allocator_stats(0).peak_bytes_reserved) / (1ull << 30);
 #endif

@@ -17,6 +17,8 @@
 #   profile        where the time of a training step goes, kernel by kernel (ncu), GPT-2 and Llama
 #   moe            the Mixtral expert MLP (bench_moe vs PyTorch loop and torch._grouped_mm), and a
 #                  2-layer Mixtral-8x7B-shaped training step against Hugging Face
+#   graph          the training step captured in a CUDA graph against the same step eager
+#                  (bench_train_step --cuda-graph): GPT-2 124M and Llama-3.2-1B-shaped
 #   checkpoint     training stall per checkpoint, asynchronous against synchronous saves, for the
 #                  Llama-3.2-1B-shaped model (bench/checkpoint_stall.sh)
 #   demo           `tessera train configs/demo.yaml --device cuda` end to end (sample + plot);
@@ -100,7 +102,7 @@ fi
 
 if want tests; then
   log "GPU tests"
-  (cd build-gpu && ctest -L gpu ${TEST_REGEX:+-R "$TEST_REGEX"} --output-on-failure -j 4 > "$out/gpu-tests.log" 2>&1)
+  (cd build-gpu && ctest -L gpu ${TEST_REGEX:+-R "$TEST_REGEX"} --output-on-failure -j "${CTEST_JOBS:-4}" > "$out/gpu-tests.log" 2>&1)
   grep -E "Failed|\*\*\*" "$out/gpu-tests.log" | head -20
   tail -6 "$out/gpu-tests.log"
   summary+=("gpu tests: $(grep -E 'tests passed' "$out/gpu-tests.log")")
@@ -149,6 +151,15 @@ if want moe; then
   build-gpu/bench_moe 2>&1 | tee "$out/bench-moe.log"
   python3 bench/moe_torch.py 2>&1 | tee -a "$out/bench-moe.log"
   python3 bench/gpu_train_step.py --build build-gpu --models mixtral2 2>&1 | tee -a "$out/bench-moe.log"
+fi
+
+if want graph; then
+  log "CUDA graph: captured step against eager"
+  for m in "gpt2-124m --batch 16 --seq 1024 --vocab 50304" "llama3.2-1b --batch 4 --seq 2048"; do
+    # shellcheck disable=SC2086
+    timeout 150 build-gpu/bench_train_step --model $m --device cuda --precision bf16 --steps 10 --warmup 3 \
+      --cuda-graph 2>&1 | tail -2 | tee -a "$out/bench-graph.log"
+  done
 fi
 
 if want checkpoint; then

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <random>
@@ -24,12 +25,13 @@ namespace fs = std::filesystem;
 
 namespace {
 constexpr const char* kChildEnv = "TESSERA_KILL_TEST_CONFIG";
+constexpr int kSteps = 60;
 
 nlohmann::json kill_config(const std::string& dir, const std::string& tokens, bool async) {
   nlohmann::json j = tiny_config(dir, "");
   j["data"].erase("text");
   j["data"]["path"] = tokens;
-  j["training"]["steps"] = 30;
+  j["training"]["steps"] = kSteps;
   j["training"]["checkpoint_interval"] = 1;
   j["training"]["checkpoint_keep_last"] = 3;
   j["training"]["async_checkpoint"] = async;
@@ -48,8 +50,15 @@ TEST(CheckpointKill, SigkillDuringCheckpointWrites) {
   const std::string tokens = work + "/tokens.bin";
   train::prepare_text(write_text(work), *train::make_tokenizer({}), tokens);
   const std::string ref = work + "/ref";
+  const auto ref_start = std::chrono::steady_clock::now();
   train::train(train::RunConfig::from_json(kill_config(ref, tokens, true)), {.quiet = true});
-  const std::string ref_model = io::read_file(ref + "/checkpoints/step-000030/model.safetensors");
+  const int ref_ms = static_cast<int>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - ref_start).count());
+  const std::string ref_model = io::read_file(ref + "/checkpoints/step-000060/model.safetensors");
+  // Kills land within the first fifth of a whole run's time after start-up, so that every
+  // child (each resuming where the last one stopped) is still running on a fast machine
+  // as on a slow one, for most of the rounds.
+  std::uniform_int_distribution<int> kill_after_ms(20, 40 + std::max(20, ref_ms / 5));
 
   std::mt19937 rng(20261129);
   int killed_mid_run = 0, advanced = 0;
@@ -67,7 +76,7 @@ TEST(CheckpointKill, SigkillDuringCheckpointWrites) {
         ::_exit(127);
       }
       // Process start-up takes a few tens of ms; a step plus its checkpoint a few more.
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(30, 400)(rng)));
+      std::this_thread::sleep_for(std::chrono::milliseconds(kill_after_ms(rng)));
       ::kill(pid, SIGKILL);
       int status = 0;
       ASSERT_EQ(::waitpid(pid, &status, 0), pid);
@@ -88,9 +97,9 @@ TEST(CheckpointKill, SigkillDuringCheckpointWrites) {
     // Finish in this process and compare with the uninterrupted run.
     const train::TrainResult r =
         train::train(train::RunConfig::from_json(kill_config(dir, tokens, async)), {.resume = true, .quiet = true});
-    EXPECT_EQ(r.step, 30);
+    EXPECT_EQ(r.step, kSteps);
     EXPECT_EQ(losses(dir), losses(ref)) << (async ? "async" : "sync");
-    EXPECT_EQ(io::read_file(dir + "/checkpoints/step-000030/model.safetensors"), ref_model) << (async ? "async" : "sync");
+    EXPECT_EQ(io::read_file(dir + "/checkpoints/step-000060/model.safetensors"), ref_model) << (async ? "async" : "sync");
   }
   EXPECT_GE(killed_mid_run, 5) << "too few kills landed while a run was in progress";
   // Not asserted (it depends on the machine's speed), but worth seeing in the log.

@@ -1,6 +1,8 @@
 // The process-group collectives against a serial reference computed on every rank, for
 // every reduce op and dtype, uneven all-to-all splits, point to point, sub-groups, the
 // parallel grid, and the cross-rank consistency check. Runs alone and under mpirun.
+#include <cstdlib>
+
 #include "dist_testing.h"
 #include "tessera/dist/nccl_group.h"
 #include "tessera/dist/parallel_grid.h"
@@ -81,7 +83,10 @@ TEST(DistCollectives, WorldComesFromTheLauncher) {
   EXPECT_LT(world->rank(), world->size());
   EXPECT_EQ(world->world_ranks().size(), static_cast<size_t>(world->size()));
   EXPECT_EQ(world->world_ranks()[static_cast<size_t>(world->rank())], world->rank());
-  EXPECT_STREQ(world->backend(), world->size() == 1 && !dist::launched_by_mpi() ? "local" : "mpi");
+  // mpirun: MPI; RANK / WORLD_SIZE (tessera launch, tests/run_ranks.sh): TCP; alone: local.
+  const char* size = std::getenv("WORLD_SIZE");
+  const char* expected = dist::launched_by_mpi() ? "mpi" : size != nullptr && std::atoi(size) > 1 ? "tcp" : "local";
+  EXPECT_STREQ(world->backend(), expected);
   world->barrier();
 }
 

@@ -150,7 +150,8 @@ void check_attention(const nn::ParallelContext& parallel, const nn::AttentionCon
   const Tensor y = attn.forward(ctx, x.slice(0, first, first + local).contiguous(), batch, seq, s);
   const Tensor dx = attn.backward_input(ctx, dy_local, s);
   attn.backward_weight(ctx, dy_local, s);
-  const std::string what = std::string(config.rope ? "llama" : "gpt2") + (sp ? " sp" : "") + " tp=" +
+  const std::string what = std::string(config.rope ? "llama" : "gpt2") + " kv=" + std::to_string(config.num_kv_heads) +
+                           (sp ? " sp" : "") + " tp=" +
                            std::to_string(tp) + " rank=" + std::to_string(tr);
   EXPECT_LT(relative_error(doubles_of(y), rows_of(y_ref, first, first + local)), kTolerance) << what;
   EXPECT_LT(relative_error(doubles_of(dx), rows_of(dx_ref, first, first + local)), kTolerance) << what;
@@ -167,6 +168,12 @@ void check_attention(const nn::ParallelContext& parallel, const nn::AttentionCon
       << what;
   if (config.bias) {
     EXPECT_LT(relative_error(doubles_of(attn.proj.bias.grad), doubles_of(full.proj.bias.grad)), kTolerance) << what;
+    std::vector<double> qkv_bias_want;
+    for (auto [b, e] : attn.qkv.shard_rows()) {
+      const auto g = rows_of(full.qkv.bias.grad, b, e);
+      qkv_bias_want.insert(qkv_bias_want.end(), g.begin(), g.end());
+    }
+    EXPECT_LT(relative_error(doubles_of(attn.qkv.bias.grad), qkv_bias_want), kTolerance) << what;
   }
 }
 
@@ -179,13 +186,25 @@ TEST(DistTensorParallel, AttentionWithHeadsSplitMatchesTheSingleDeviceModule) {
   const nn::AttentionConfig gpt2{.hidden = 32, .num_heads = 4, .num_kv_heads = 4, .bias = true};
   const nn::AttentionConfig llama{.hidden = 32, .num_heads = 8, .num_kv_heads = 4, .bias = false, .rope = true,
                                   .rope_theta = 100.0f};
+  // Fewer K/V heads than ranks: each K/V head is replicated on world/kv ranks, whose
+  // gradients for it are summed.
+  const nn::AttentionConfig one_kv{.hidden = 32, .num_heads = 8, .num_kv_heads = 1, .bias = true, .rope = true,
+                                   .rope_theta = 100.0f};
+  const nn::AttentionConfig two_kv{.hidden = 32, .num_heads = 8, .num_kv_heads = 2, .bias = false, .rope = true,
+                                   .rope_theta = 100.0f};
   for (bool sp : {false, true}) {
     check_attention(grid.context(), gpt2, sp);
     check_attention(grid.context(), llama, sp);
+    check_attention(grid.context(), one_kv, sp);
+    check_attention(grid.context(), two_kv, sp);
   }
   if (world->size() > 1) {
-    const nn::AttentionConfig few_kv{.hidden = 32, .num_heads = 8, .num_kv_heads = 1};
-    EXPECT_THROW(nn::TensorParallelSelfAttention("attn", few_kv, DType::F32, grid.context()), Error);
+    nn::TensorParallelSelfAttention replicated("attn", one_kv, DType::F32, grid.context());
+    EXPECT_TRUE(replicated.kv_replicated());
+    EXPECT_EQ(replicated.local_kv_heads(), 1);
+    // Neither 3 % tp nor tp % 3 is 0 for tp = 2 or 4.
+    const nn::AttentionConfig three_kv{.hidden = 48, .num_heads = 12, .num_kv_heads = 3};
+    EXPECT_THROW(nn::TensorParallelSelfAttention("attn", three_kv, DType::F32, grid.context()), Error);
   }
 }
 

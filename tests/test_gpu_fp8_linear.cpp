@@ -1,7 +1,8 @@
 // FP8 linear layers on CUDA (cuBLASLt FP8 GEMMs, casts and scales on the device) against the
 // same layers on the CPU (the dequantized reference), current and delayed scaling, over two
 // steps so that delayed scaling uses learned scales. The casts are bit-identical on both
-// devices; the GEMMs differ only in accumulation order (and the forward's fast accumulation).
+// devices (x, W and dy, both copies: on CUDA from the fused cast + transpose kernel); the
+// GEMMs differ only in accumulation order (and the forward's fast accumulation).
 // Skipped (saying so) where no GPU is present.
 #include "gpu_testing.h"
 #include "tessera/nn/linear.h"
@@ -33,6 +34,10 @@ TEST(GpuFp8Linear, MatchesTheCpuLayer) {
       const Tensor y_cpu = host.forward(cpu, x, hs), y_gpu = device.forward(gpu, x.to(kCuda), ds);
       ASSERT_TRUE(hs.fp8 && ds.fp8);
       const Tensor dx_cpu = host.backward_input(cpu, dy, hs), dx_gpu = device.backward_input(gpu, dy.to(kCuda), ds);
+      // dy's cast (E5M2, the fused cast + transpose on CUDA) before backward_weight drops it.
+      EXPECT_EQ(bytes_of(ds.dy_fp8.data), bytes_of(hs.dy_fp8.data)) << "step " << step;
+      EXPECT_EQ(bytes_of(ds.dy_fp8.data_t), bytes_of(hs.dy_fp8.data_t)) << "step " << step;
+      EXPECT_EQ(bytes_of(ds.w_fp8.data_t), bytes_of(hs.w_fp8.data_t)) << "step " << step;
       host.backward_weight(cpu, dy, hs);
       device.backward_weight(gpu, dy.to(kCuda), ds);
       EXPECT_EQ(bytes_of(ds.x_fp8.data), bytes_of(hs.x_fp8.data)) << "step " << step;  // the same casts

@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "tessera/core/error.h"
+#include "tessera/dist/process_group.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"tessera: trains and serves Transformer models fast (C++20/CUDA)", "tessera"};
@@ -16,15 +17,18 @@ int main(int argc, char** argv) {
   tessera::cli::add_plot_command(app);
   tessera::cli::add_train_commands(app);
   tessera::cli::add_convert_command(app);
+  tessera::cli::add_launch_command(app);
   try {
-    app.parse(argc, argv);
+    app.parse(tessera::cli::split_launch_args(argc, argv), argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const tessera::Error& e) {
     std::fprintf(stderr, "tessera: error: %s\n", e.what());
+    tessera::dist::abort_job(1);  // one rank of several under mpirun: end them all now
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessera: unexpected error: %s\n", e.what());
+    tessera::dist::abort_job(1);
     return 1;
   }
   return 0;

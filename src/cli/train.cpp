@@ -57,8 +57,15 @@ void add_train_commands(CLI::App& app) {
   static std::string config_path;
   static std::vector<std::string> overrides;
   static std::vector<std::string> resume;
-  static std::string device, precision, attention_backend;
+  static std::string device, precision, attention_backend, cuda_graph;
   CLI::App* train_cmd = app.add_subcommand("train", "Train a model from a YAML/JSON config (see docs/training.md)");
+  train_cmd->footer(
+      "Several ranks (data parallelism, docs/distributed.md): `mpirun -np N tessera train CONFIG` (one or many hosts) "
+      "or `tessera launch --nproc N train CONFIG` (one host, no MPI needed); every rank gets the same config and "
+      "arguments. training.parallel sets the layout (data, distributed_optimizer for ZeRO-1, timeout_s, bucket_mb); "
+      "training.batch_size is per rank and micro-batch, training.global_batch_size (optional) the sequences per "
+      "step over all ranks. Rank 0 prints and writes metrics.jsonl; every rank writes its part of each checkpoint, "
+      "and --resume continues at any number of ranks.");
   train_cmd->add_option("config", config_path, "Config file (YAML or JSON)")->required()->check(CLI::ExistingFile);
   train_cmd->add_option("--set", overrides, "Override a config key, e.g. --set training.steps=200 (repeatable)");
   static CLI::Option* resume_opt = train_cmd->add_option(
@@ -75,12 +82,17 @@ void add_train_commands(CLI::App& app) {
                         "CUDA attention: auto (the faster per shape, timed once), tessera or cudnn "
                         "(same as --set training.attention_backend=...)")
       ->check(CLI::IsMember({"auto", "tessera", "cudnn"}));
+  train_cmd->add_option("--cuda-graph", cuda_graph,
+                        "Capture the training step into a CUDA graph: auto (when the run can be), on or off "
+                        "(same as --set training.cuda_graph=...)")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   train_cmd->callback([] {
     nlohmann::json j = train::load_config_file(config_path);
     for (const std::string& o : overrides) train::apply_override(j, o);
     if (!device.empty()) train::apply_override(j, "training.device=" + device);
     if (!precision.empty()) train::apply_override(j, "training.precision=" + precision);
     if (!attention_backend.empty()) train::apply_override(j, "training.attention_backend=" + attention_backend);
+    if (!cuda_graph.empty()) train::apply_override(j, "training.cuda_graph=" + cuda_graph);
     train::TrainOptions options;
     if (resume_opt->count() > 0) {
       const std::string what = resume.empty() || resume.front().empty() ? "auto" : resume.front();

@@ -6,6 +6,7 @@
 
 #include "../backend/cpu/element.h"
 #include "tessera/core/allocator.h"
+#include "tessera/core/stream.h"
 #if TESSERA_WITH_CUDA
 #include "../backend/cuda/copy.h"
 #endif
@@ -235,8 +236,8 @@ void Tensor::copy_from(const Tensor& src) {
 #if TESSERA_WITH_CUDA
   // Within one GPU a strided copy is a kernel (the QKV split in every attention layer).
   if (device_.is_cuda() && src.device_ == device_) {
-    cuda::copy_strided(raw_data(), strides_.data(), src.raw_data(), src.strides_.data(), shape_.data(), dim(),
-                       dtype_size(dtype_));
+    cuda::copy_strided(current_stream(device_), raw_data(), strides_.data(), src.raw_data(), src.strides_.data(),
+                       shape_.data(), dim(), dtype_size(dtype_));
     return;
   }
 #endif
@@ -301,7 +302,7 @@ void Tensor::fill_zero() {
       std::memset(raw_data(), 0, nbytes());
     } else {
 #if TESSERA_WITH_CUDA
-      cuda::fill_zero_bytes(raw_data(), nbytes());
+      cuda::fill_zero_bytes(current_stream(device_), raw_data(), nbytes());
 #endif
     }
     return;

@@ -48,18 +48,23 @@ DataParallel::DataParallel(Context& ctx, nn::ParameterList parameters, GroupPtr 
   std::sort(bucket_of_.begin(), bucket_of_.end());
 }
 
-void DataParallel::broadcast_parameters(Context& ctx, int root) {
-  for (nn::Parameter* p : parameters_) {
+void broadcast_parameters(Context& ctx, const nn::ParameterList& parameters, ProcessGroup& group, int root) {
+  if (group.size() == 1) return;
+  for (nn::Parameter* p : parameters) {
     Tensor& w = p->weights();
     if (w.is_contiguous()) {
-      group_->broadcast(ctx, w, root);
+      group.broadcast(ctx, w, root);
     } else {
       Tensor packed = w.contiguous();
-      group_->broadcast(ctx, packed, root);
+      group.broadcast(ctx, packed, root);
       w.copy_from(packed);
     }
     p->refresh_value(ctx);
   }
+}
+
+void DataParallel::broadcast_parameters(Context& ctx, int root) {
+  dist::broadcast_parameters(ctx, parameters_, *group_, root);
 }
 
 void DataParallel::start(Context& ctx, Bucket& b) {

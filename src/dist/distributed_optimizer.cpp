@@ -43,14 +43,46 @@ DistributedOptimizer::DistributedOptimizer(Context& ctx, nn::ParameterList param
     const int64_t begin = std::max(offsets_[i], shard_begin_);
     const int64_t end = std::min(offsets_[i] + params_[i]->numel(), shard_begin_ + shard_);
     if (begin >= end) continue;
-    segments_.push_back({params_[i], begin - shard_begin_, end - begin});
-    const Tensor w = params_[i]->weights().contiguous().reshape({params_[i]->numel()});
-    weights_shard_.slice(0, begin - shard_begin_, end - shard_begin_).copy_from(w.slice(0, begin - offsets_[i], end - offsets_[i]));
+    segments_.push_back({params_[i], begin - shard_begin_, end - begin, begin - offsets_[i]});
   }
+}
+
+std::vector<std::pair<std::string, Tensor>> DistributedOptimizer::state() const {
+  return {{"exp_avg", exp_avg_.slice(0, 0, owned())}, {"exp_avg_sq", exp_avg_sq_.slice(0, 0, owned())}};
+}
+
+nlohmann::json DistributedOptimizer::state_layout() const {
+  nlohmann::json params = nlohmann::json::array();
+  for (const nn::Parameter* p : params_) params.push_back({p->name, p->numel()});
+  return {{"kind", "zero1"},        {"rank", group_->rank()}, {"size", group_->size()},
+          {"begin", shard_begin_},  {"end", shard_begin_ + owned()}, {"total", total_},
+          {"parameters", params}};
+}
+
+void DistributedOptimizer::load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) {
+  for (auto [name, target] : {std::pair<const char*, Tensor*>{"exp_avg", &exp_avg_}, {"exp_avg_sq", &exp_avg_sq_}}) {
+    auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& t) { return t.first == name; });
+    TESSERA_CHECK(it != tensors.end(), "DistributedOptimizer::load_state: no tensor '", name, "'");
+    TESSERA_CHECK(it->second.numel() == owned(), "DistributedOptimizer::load_state: '", name, "' has ",
+                  it->second.numel(), " elements, rank ", group_->rank(), "'s range holds ", owned());
+    Tensor converted = Tensor::empty({owned()}, target->dtype());
+    Context cpu = Context::cpu();
+    if (owned() > 0) cast(cpu, it->second.to(Device::cpu()).contiguous().reshape({owned()}), converted);
+    target->fill_zero();
+    Tensor range = target->slice(0, 0, owned());
+    if (owned() > 0) range.copy_from(converted.to(target->device()));
+  }
+  step_ = step;
 }
 
 double DistributedOptimizer::step(Context& ctx, double lr) {
   ++step_;
+  // 0. This range's master weights, from the parameters (see the header).
+  for (const Segment& s : segments_) {
+    const Tensor w = s.parameter->weights().contiguous().reshape({s.parameter->numel()});
+    Tensor dst = weights_shard_.slice(0, s.shard_offset, s.shard_offset + s.length);
+    detail::stream_copy(ctx, w.slice(0, s.param_offset, s.param_offset + s.length), dst);
+  }
   // 1. Averaged gradients of this rank's range.
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& g = params_[i]->grad;

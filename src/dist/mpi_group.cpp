@@ -10,6 +10,9 @@
 
 #include "mpi_group.h"
 
+#include "collective_math.h"
+#include "tessera/dist/watchdog.h"
+
 // The C API only: Open MPI's and MPICH's mpi.h otherwise pull in the removed C++ bindings.
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
@@ -19,8 +22,6 @@
 #include <climits>
 #include <cstring>
 #include <limits>
-
-#include "tessera/ops/elementwise.h"
 
 namespace tessera::dist::detail {
 namespace {
@@ -50,19 +51,6 @@ int to_int(int64_t n, const char* op) {
   return static_cast<int>(n);
 }
 
-// The dtype a reduction accumulates in and its MPI type.
-DType accumulate_dtype(DType t, const char* op) {
-  switch (t) {
-    case DType::F64: return DType::F64;
-    case DType::F32:
-    case DType::BF16:
-    case DType::F16: return DType::F32;
-    case DType::I32:
-    case DType::I64: return DType::I64;
-    default: TESSERA_FAIL(op, ": cannot reduce ", dtype_name(t), " (f64, f32, bf16, f16, i32, i64 only)");
-  }
-}
-
 MPI_Datatype mpi_type(DType t) {
   switch (t) {
     case DType::F64: return MPI_DOUBLE;
@@ -72,56 +60,7 @@ MPI_Datatype mpi_type(DType t) {
   }
 }
 
-// dst (dtype of dst, n elements) = src converted; both contiguous CPU buffers.
-void convert(const Tensor& src, Tensor& dst) {
-  if (src.dtype() == dst.dtype()) {
-    std::memcpy(dst.raw_data(), src.raw_data(), src.nbytes());
-  } else if (is_integer(src.dtype()) && is_integer(dst.dtype())) {
-    const int64_t n = src.numel();
-    if (src.dtype() == DType::I32 && dst.dtype() == DType::I64) {
-      for (int64_t i = 0; i < n; ++i) dst.data<int64_t>()[i] = src.data<int32_t>()[i];
-    } else if (src.dtype() == DType::I64 && dst.dtype() == DType::I32) {
-      for (int64_t i = 0; i < n; ++i) dst.data<int32_t>()[i] = static_cast<int32_t>(src.data<int64_t>()[i]);
-    } else {
-      TESSERA_FAIL("mpi: no conversion from ", dtype_name(src.dtype()), " to ", dtype_name(dst.dtype()));
-    }
-  } else {
-    Context cpu = Context::cpu();
-    cast(cpu, src, dst);
-  }
-}
-
-// out[i] = in[0 * chunk + i] (op) in[1 * chunk + i] (op) ... over `parts` parts, in order.
-template <typename T>
-void reduce_parts(const T* in, T* out, int64_t chunk, int parts, ReduceOp op) {
-  std::copy(in, in + chunk, out);
-  for (int p = 1; p < parts; ++p) {
-    const T* x = in + static_cast<int64_t>(p) * chunk;
-    switch (op) {
-      case ReduceOp::Sum:
-      case ReduceOp::Avg:
-        for (int64_t i = 0; i < chunk; ++i) out[i] += x[i];
-        break;
-      case ReduceOp::Max:
-        for (int64_t i = 0; i < chunk; ++i) out[i] = std::max(out[i], x[i]);
-        break;
-      case ReduceOp::Min:
-        for (int64_t i = 0; i < chunk; ++i) out[i] = std::min(out[i], x[i]);
-        break;
-    }
-  }
-  if (op == ReduceOp::Avg) {
-    const T n = static_cast<T>(parts);
-    for (int64_t i = 0; i < chunk; ++i) out[i] /= n;
-  }
-}
-
-void check_cpu(const Tensor& t, const char* op, const char* name) {
-  check_defined(t, op, name);
-  check_contiguous(t, op, name);
-  TESSERA_CHECK(t.device().is_cpu(), op, ": the MPI backend takes CPU tensors, ", name, " is ", t.describe(),
-                " (use an NCCL group for CUDA tensors)");
-}
+void check_cpu(const Tensor& t, const char* op, const char* name) { check_cpu_tensor(t, "MPI", op, name); }
 
 class MpiGroup final : public ProcessGroup {
  public:
@@ -144,6 +83,7 @@ class MpiGroup final : public ProcessGroup {
   const char* backend() const override { return "mpi"; }
 
   void all_reduce(Context&, Tensor& tensor, ReduceOp op) override {
+    BlockingScope watch("MPI all_reduce", this);
     check_cpu(tensor, "all_reduce", "tensor");
     if (size_ == 1) return;
     const DType acc = accumulate_dtype(tensor.dtype(), "all_reduce");
@@ -162,6 +102,7 @@ class MpiGroup final : public ProcessGroup {
   }
 
   void reduce_scatter(Context&, const Tensor& in, Tensor& out, ReduceOp op) override {
+    BlockingScope watch("MPI reduce_scatter", this);
     check_cpu(in, "reduce_scatter", "in");
     check_cpu(out, "reduce_scatter", "out");
     TESSERA_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() * size_, "reduce_scatter: in ", in.describe(),
@@ -176,6 +117,7 @@ class MpiGroup final : public ProcessGroup {
   }
 
   void all_gather(Context&, const Tensor& in, Tensor& out) override {
+    BlockingScope watch("MPI all_gather", this);
     check_cpu(in, "all_gather", "in");
     check_cpu(out, "all_gather", "out");
     TESSERA_CHECK(in.dtype() == out.dtype() && out.numel() == in.numel() * size_, "all_gather: out ", out.describe(),
@@ -186,6 +128,7 @@ class MpiGroup final : public ProcessGroup {
   }
 
   void broadcast(Context&, Tensor& tensor, int root) override {
+    BlockingScope watch("MPI broadcast", this);
     check_cpu(tensor, "broadcast", "tensor");
     TESSERA_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is outside a group of ", size_);
     TESSERA_MPI_CHECK(MPI_Bcast(tensor.raw_data(), to_int(static_cast<int64_t>(tensor.nbytes()), "broadcast"),
@@ -194,6 +137,7 @@ class MpiGroup final : public ProcessGroup {
 
   void all_to_all(Context&, const Tensor& in, Tensor& out, const std::vector<int64_t>& in_splits,
                   const std::vector<int64_t>& out_splits) override {
+    BlockingScope watch("MPI all_to_all", this);
     check_cpu(in, "all_to_all", "in");
     check_cpu(out, "all_to_all", "out");
     TESSERA_CHECK(in.dtype() == out.dtype(), "all_to_all: in and out dtypes differ");
@@ -224,12 +168,14 @@ class MpiGroup final : public ProcessGroup {
   }
 
   void send(Context&, const Tensor& tensor, int dst) override {
+    BlockingScope watch("MPI send", this);
     check_cpu(tensor, "send", "tensor");
     TESSERA_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send: bad destination ", dst);
     TESSERA_MPI_CHECK(MPI_Send(tensor.raw_data(), to_int(static_cast<int64_t>(tensor.nbytes()), "send"), MPI_BYTE, dst,
                                kTag, comm_));
   }
   void recv(Context&, Tensor& tensor, int src) override {
+    BlockingScope watch("MPI recv", this);
     check_cpu(tensor, "recv", "tensor");
     TESSERA_CHECK(src >= 0 && src < size_ && src != rank_, "recv: bad source ", src);
     MPI_Status status;
@@ -240,9 +186,13 @@ class MpiGroup final : public ProcessGroup {
     TESSERA_CHECK(got == static_cast<int>(tensor.nbytes()), "recv: expected ", tensor.nbytes(), " bytes from rank ",
                   src, ", got ", got, " (the ranks disagree on the shape)");
   }
-  void barrier() override { TESSERA_MPI_CHECK(MPI_Barrier(comm_)); }
+  void barrier() override {
+    BlockingScope watch("MPI barrier", this);
+    TESSERA_MPI_CHECK(MPI_Barrier(comm_));
+  }
 
   std::shared_ptr<ProcessGroup> split(int color, int key) override {
+    BlockingScope watch("MPI split", this);
     MPI_Comm sub = MPI_COMM_NULL;
     TESSERA_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub));
     if (sub == MPI_COMM_NULL) return nullptr;
@@ -258,13 +208,7 @@ class MpiGroup final : public ProcessGroup {
     Tensor recv = Tensor::empty({size_ * chunk}, acc);
     const int count = to_int(chunk, "reduce");
     TESSERA_MPI_CHECK(MPI_Alltoall(send.raw_data(), count, mpi_type(acc), recv.raw_data(), count, mpi_type(acc), comm_));
-    Tensor mine = Tensor::empty({chunk}, acc);
-    switch (acc) {
-      case DType::F64: reduce_parts(recv.data<double>(), mine.data<double>(), chunk, size_, op); break;
-      case DType::F32: reduce_parts(recv.data<float>(), mine.data<float>(), chunk, size_, op); break;
-      default: reduce_parts(recv.data<int64_t>(), mine.data<int64_t>(), chunk, size_, op); break;
-    }
-    return mine;
+    return reduce_received(recv, chunk, size_, op, acc);
   }
 
   MPI_Comm comm_;
@@ -289,6 +233,10 @@ GroupPtr mpi_world() {
 
 void mpi_finalize() {
   if (we_initialized && mpi_live()) MPI_Finalize();
+}
+
+void mpi_abort(int status) {
+  if (mpi_live()) MPI_Abort(MPI_COMM_WORLD, status);
 }
 
 }  // namespace tessera::dist::detail

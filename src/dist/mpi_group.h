@@ -11,5 +11,7 @@ namespace tessera::dist::detail {
 GroupPtr mpi_world();
 // MPI_Finalize when mpi_world() initialized MPI and it is not finalized yet.
 void mpi_finalize();
+// MPI_Abort on MPI_COMM_WORLD (the launcher stops every rank) when MPI is live.
+void mpi_abort(int status);
 
 }  // namespace tessera::dist::detail

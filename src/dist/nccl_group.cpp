@@ -2,6 +2,9 @@
 // points say so.
 #include "tessera/dist/nccl_group.h"
 
+#include "tessera/dist/watchdog.h"
+#include "tessera/core/stream.h"
+
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -83,8 +86,12 @@ class NcclGroup final : public ProcessGroup {
       world_ranks_.resize(static_cast<size_t>(size_));
       for (int i = 0; i < size_; ++i) world_ranks_[static_cast<size_t>(i)] = i;
     }
+    // On a timeout the watchdog aborts the communicator, so that no kernel keeps waiting
+    // for a peer that is gone (see watchdog.h).
+    abort_hook_ = add_abort_hook([comm = comm_] { ncclCommAbort(comm); });
   }
   ~NcclGroup() override {
+    remove_abort_hook(abort_hook_);
     if (comm_ != nullptr) ncclCommDestroy(comm_);
   }
   const char* backend() const override { return "nccl"; }
@@ -93,6 +100,7 @@ class NcclGroup final : public ProcessGroup {
     check(ctx, t, "all_reduce", "tensor");
     TESSERA_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<size_t>(t.numel()),
                                      nccl_type(t.dtype(), "all_reduce"), nccl_op(op), comm_, stream_of(ctx)));
+    watch(ctx, "all_reduce");
   }
   std::unique_ptr<Work> all_reduce_async(Context& ctx, Tensor& t, ReduceOp op) override {
     all_reduce(ctx, t, op);  // queued on ctx.stream: later work on that stream sees it
@@ -105,6 +113,7 @@ class NcclGroup final : public ProcessGroup {
                   in.describe(), " must hold ", size_, " x out ", out.describe());
     TESSERA_NCCL_CHECK(ncclReduceScatter(in.raw_data(), out.raw_data(), static_cast<size_t>(out.numel()),
                                          nccl_type(in.dtype(), "reduce_scatter"), nccl_op(op), comm_, stream_of(ctx)));
+    watch(ctx, "reduce_scatter");
   }
   void all_gather(Context& ctx, const Tensor& in, Tensor& out) override {
     check(ctx, in, "all_gather", "in");
@@ -112,11 +121,13 @@ class NcclGroup final : public ProcessGroup {
     TESSERA_CHECK(in.dtype() == out.dtype() && out.numel() == in.numel() * size_, "all_gather: out ", out.describe(),
                   " must hold ", size_, " x in ", in.describe());
     TESSERA_NCCL_CHECK(ncclAllGather(in.raw_data(), out.raw_data(), in.nbytes(), ncclUint8, comm_, stream_of(ctx)));
+    watch(ctx, "all_gather");
   }
   void broadcast(Context& ctx, Tensor& t, int root) override {
     check(ctx, t, "broadcast", "tensor");
     TESSERA_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is outside a group of ", size_);
     TESSERA_NCCL_CHECK(ncclBroadcast(t.raw_data(), t.raw_data(), t.nbytes(), ncclUint8, root, comm_, stream_of(ctx)));
+    watch(ctx, "broadcast");
   }
   void all_to_all(Context& ctx, const Tensor& in, Tensor& out, const std::vector<int64_t>& in_splits,
                   const std::vector<int64_t>& out_splits) override {
@@ -145,20 +156,27 @@ class NcclGroup final : public ProcessGroup {
       dst += rn;
     }
     TESSERA_NCCL_CHECK(ncclGroupEnd());
+    watch(ctx, "all_to_all");
   }
   void send(Context& ctx, const Tensor& t, int dst) override {
     check(ctx, t, "send", "tensor");
     TESSERA_NCCL_CHECK(ncclSend(t.raw_data(), t.nbytes(), ncclUint8, dst, comm_, stream_of(ctx)));
+    watch(ctx, "send");
   }
   void recv(Context& ctx, Tensor& t, int src) override {
     check(ctx, t, "recv", "tensor");
     TESSERA_NCCL_CHECK(ncclRecv(t.raw_data(), t.nbytes(), ncclUint8, src, comm_, stream_of(ctx)));
+    watch(ctx, "recv");
   }
   void barrier() override {
     TESSERA_NCCL_CUDA_CHECK(cudaSetDevice(device_));
     if (!scratch_.defined()) scratch_ = Tensor::zeros({1}, DType::F32, Device::cuda(device_));
-    TESSERA_NCCL_CHECK(ncclAllReduce(scratch_.raw_data(), scratch_.raw_data(), 1, ncclFloat32, ncclSum, comm_, nullptr));
-    TESSERA_NCCL_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+    // On the run's current stream: the legacy stream would not wait for work queued on a
+    // non-blocking one (the trainer's), so the barrier would not order anything.
+    auto stream = static_cast<cudaStream_t>(current_stream(Device::cuda(device_)));
+    TESSERA_NCCL_CHECK(ncclAllReduce(scratch_.raw_data(), scratch_.raw_data(), 1, ncclFloat32, ncclSum, comm_, stream));
+    BlockingScope scope("NCCL barrier", this);
+    TESSERA_NCCL_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
   std::shared_ptr<ProcessGroup> split(int color, int key) override {
@@ -181,7 +199,22 @@ class NcclGroup final : public ProcessGroup {
                   t.device().to_string());
   }
 
+  // With a timeout set: a CUDA event after the collective, which the watchdog polls.
+  void watch(const Context& ctx, const char* op) const {
+    if (timeout() <= 0) return;
+    cudaEvent_t event = nullptr;
+    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventRecord(event, stream_of(ctx)) != cudaSuccess) {
+      (void)cudaGetLastError();  // unwatched, not an error of the collective
+      if (event != nullptr) cudaEventDestroy(event);
+      return;
+    }
+    watch_async(std::string("NCCL ") + op + " over " + std::to_string(size_) + " ranks",
+                [event] { return cudaEventQuery(event) != cudaErrorNotReady; }, [event] { cudaEventDestroy(event); });
+  }
+
   ncclComm_t comm_ = nullptr;
+  long abort_hook_ = -1;
   int device_ = 0;
   GroupPtr bootstrap_;  // CPU group with the same members, for world ranks of sub-groups
   Tensor scratch_;

@@ -2,11 +2,15 @@
 // the environment, sub-groups from rank lists, and the cross-rank consistency check.
 #include "tessera/dist/process_group.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 
 #include "tessera/dist/parallel_grid.h"
+#include "tessera/dist/tcp_group.h"
+#include "tessera/dist/watchdog.h"
 
 #include <nlohmann/json.hpp>
 
@@ -110,22 +114,40 @@ bool launched_by_mpi() {
          env_set("MPI_LOCALNRANKS");
 }
 
+static int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  TESSERA_CHECK(end != v && *end == '\0' && n >= 0 && n <= (1 << 30), name, "=", v, " is not a non-negative integer");
+  return static_cast<int>(n);
+}
+
 GroupPtr init_from_env() {
   std::lock_guard<std::mutex> lock(world_mutex);
   if (world_group) return world_group;
   if (launched_by_mpi()) {
 #if TESSERA_WITH_MPI
     world_group = detail::mpi_world();
+    set_message_rank(world_group->rank());
     return world_group;
 #else
     const char* n = std::getenv("OMPI_COMM_WORLD_SIZE");
     if (n == nullptr) n = std::getenv("PMI_SIZE");
     TESSERA_CHECK(n == nullptr || std::atoi(n) <= 1, "launched by an MPI launcher with ", n,
-                  " ranks, but this build of tessera has no MPI (reconfigure with MPI installed, TESSERA_MPI=ON)");
+                  " ranks, but this build of tessera has no MPI (reconfigure with MPI installed, TESSERA_MPI=ON, ",
+                  "or start the ranks with `tessera launch --nproc ", n, "`)");
 #endif
-  } else if (const char* n = std::getenv("WORLD_SIZE"); n != nullptr && std::atoi(n) > 1) {
-    TESSERA_FAIL("WORLD_SIZE=", n, " but the process was not started by an MPI launcher: launch with mpirun -np ", n,
-                 " (the RANK/WORLD_SIZE bootstrap without MPI exists only for NCCL, nccl_group_from_file)");
+  } else if (const int size = env_int("WORLD_SIZE", 1); size > 1) {
+    TESSERA_CHECK(env_set("RANK"), "WORLD_SIZE=", size, " but RANK is not set (each process needs its rank)");
+    const int rank = env_int("RANK", 0);
+    TESSERA_CHECK(rank < size, "RANK=", rank, " is outside WORLD_SIZE=", size);
+    const char* addr = std::getenv("MASTER_ADDR");
+    const int port = env_int("MASTER_PORT", 29500);
+    const double wait = timeout() > 0 ? timeout() : 300;
+    set_message_rank(rank);
+    world_group = tcp_group(rank, size, addr != nullptr && *addr != '\0' ? addr : "127.0.0.1", port, wait);
+    return world_group;
   }
   world_group = local_group();
   return world_group;
@@ -139,6 +161,67 @@ void finalize() {
 #if TESSERA_WITH_MPI
   detail::mpi_finalize();
 #endif
+}
+
+void abort_job(int status) {
+#if TESSERA_WITH_MPI
+  std::lock_guard<std::mutex> lock(world_mutex);
+  if (world_group && world_group->size() > 1 && std::string(world_group->backend()) == "mpi") {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    detail::mpi_abort(status);
+  }
+#else
+  (void)status;
+#endif
+}
+
+int local_rank() {
+  for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
+    if (env_set(name)) return env_int(name, 0);
+  return 0;
+}
+
+namespace {
+
+void check_host_group(const ProcessGroup& group, const char* op) {
+  TESSERA_CHECK(std::string(group.backend()) != "nccl", op, ": needs a group of CPU transport (mpi, tcp or local), ",
+                "not nccl");
+}
+
+}  // namespace
+
+std::string broadcast_string(ProcessGroup& group, const std::string& s, int root) {
+  check_host_group(group, "broadcast_string");
+  if (group.size() == 1) return s;
+  Context cpu = Context::cpu();
+  Tensor length = Tensor::from_ints({static_cast<int64_t>(s.size())}, {1}, DType::I64);
+  group.broadcast(cpu, length, root);
+  const int64_t n = length.to_ints()[0];
+  Tensor bytes = Tensor::zeros({std::max<int64_t>(n, 1)}, DType::U8);
+  if (group.rank() == root && n > 0) std::memcpy(bytes.raw_data(), s.data(), static_cast<size_t>(n));
+  group.broadcast(cpu, bytes, root);
+  return std::string(static_cast<const char*>(bytes.raw_data()), static_cast<size_t>(n));
+}
+
+std::vector<std::string> all_gather_strings(ProcessGroup& group, const std::string& s) {
+  check_host_group(group, "all_gather_strings");
+  if (group.size() == 1) return {s};
+  Context cpu = Context::cpu();
+  Tensor mine = Tensor::from_ints({static_cast<int64_t>(s.size())}, {1}, DType::I64);
+  Tensor lengths = Tensor::empty({group.size()}, DType::I64);
+  group.all_gather(cpu, mine, lengths);
+  const std::vector<int64_t> n = lengths.to_ints();
+  const int64_t longest = std::max<int64_t>(1, *std::max_element(n.begin(), n.end()));
+  Tensor padded = Tensor::zeros({longest}, DType::U8);
+  if (!s.empty()) std::memcpy(padded.raw_data(), s.data(), s.size());
+  Tensor all = Tensor::empty({group.size() * longest}, DType::U8);
+  group.all_gather(cpu, padded, all);
+  std::vector<std::string> out;
+  const char* base = static_cast<const char*>(all.raw_data());
+  for (int r = 0; r < group.size(); ++r)
+    out.emplace_back(base + static_cast<int64_t>(r) * longest, static_cast<size_t>(n[static_cast<size_t>(r)]));
+  return out;
 }
 
 uint64_t hash_bytes(const void* data, size_t bytes, uint64_t seed) {
@@ -170,21 +253,32 @@ void check_consistent(Context& ctx, ProcessGroup& group, uint64_t value, const s
 
 // ---- ParallelGrid ----
 
+namespace {
+// JSON text for messages (never throws on bad UTF-8).
+std::string safe_dump(const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+}  // namespace
+
 ParallelConfig ParallelConfig::from_json(const nlohmann::json& j) {
-  TESSERA_CHECK(j.is_object(), "parallel: expected a mapping of keys, got ", j.dump());
+  TESSERA_CHECK(j.is_object(), "parallel: expected a mapping of keys, got ", safe_dump(j));
   ParallelConfig c;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& key = it.key();
     const nlohmann::json& v = it.value();
-    if (key == "sequence_parallel") {
-      TESSERA_CHECK(v.is_boolean(), "parallel.sequence_parallel: expected true or false, got ", v.dump());
-      c.sequence_parallel = v.get<bool>();
+    if (key == "sequence_parallel" || key == "distributed_optimizer") {
+      TESSERA_CHECK(v.is_boolean(), "parallel.", key, ": expected true or false, got ", safe_dump(v));
+      (key == "sequence_parallel" ? c.sequence_parallel : c.distributed_optimizer) = v.get<bool>();
+      continue;
+    }
+    if (key == "timeout_s") {
+      TESSERA_CHECK(v.is_number() && v.get<double>() >= 0, "parallel.timeout_s: expected a number of seconds >= 0 ",
+                    "(0 waits forever), got ", safe_dump(v));
+      c.timeout_s = v.get<double>();
       continue;
     }
     TESSERA_CHECK(key == "data" || key == "tensor" || key == "pipeline" || key == "bucket_mb", "parallel: unknown key \"",
-                  key, "\" (known: data, tensor, pipeline, sequence_parallel, bucket_mb)");
+                  key, "\" (known: data, tensor, pipeline, sequence_parallel, bucket_mb, distributed_optimizer, timeout_s)");
     TESSERA_CHECK(v.is_number_integer() && v.get<int64_t>() >= (key == "data" ? 0 : 1) && v.get<int64_t>() <= 1 << 20,
-                  "parallel.", key, ": expected an integer >= ", key == "data" ? 0 : 1, ", got ", v.dump());
+                  "parallel.", key, ": expected an integer >= ", key == "data" ? 0 : 1, ", got ", safe_dump(v));
     const int n = v.get<int>();
     if (key == "data") c.data = n;
     if (key == "tensor") c.tensor = n;
@@ -192,6 +286,13 @@ ParallelConfig ParallelConfig::from_json(const nlohmann::json& j) {
     if (key == "bucket_mb") c.bucket_mb = static_cast<size_t>(n);
   }
   return c;
+}
+
+nlohmann::json ParallelConfig::to_json() const {
+  return {{"data", data},           {"tensor", tensor},
+          {"pipeline", pipeline},   {"sequence_parallel", sequence_parallel},
+          {"bucket_mb", bucket_mb}, {"distributed_optimizer", distributed_optimizer},
+          {"timeout_s", timeout_s}};
 }
 
 ParallelGrid::ParallelGrid(Context& ctx, GroupPtr world_, const ParallelConfig& config)

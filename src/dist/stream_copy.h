@@ -1,6 +1,6 @@
 // A copy between two contiguous tensors of one device and dtype, queued on ctx's stream on
-// CUDA (Tensor::copy_from uses the default stream, which would race with work queued on
-// another stream), a plain copy on the CPU.
+// CUDA (Tensor::copy_from uses the thread's current stream, which need not be ctx's), a
+// plain copy on the CPU.
 #pragma once
 
 #include "tessera/core/context.h"

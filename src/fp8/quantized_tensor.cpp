@@ -8,6 +8,7 @@
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/quantize.h"
 #if TESSERA_WITH_CUDA
+#include "backend/cuda/cast_transpose.h"
 #include "backend/cuda/gemm_fp8.h"
 #endif
 
@@ -41,14 +42,26 @@ QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Ten
   q.dtype = fp8;
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
-    check_on_device(ctx, op, {&x, &scale});
+    Tensor no_amax;
+    Tensor& amax = amax_out ? *amax_out : no_amax;
+    check_on_device(ctx, op, {&x, &scale, &amax});
     q.data = Tensor::empty({x.size(0), x.size(1)}, fp8, ctx.device);
     q.data_t = Tensor::empty({x.size(1), x.size(0)}, fp8, ctx.device);
     q.scale_inv = Tensor::empty({1}, DType::F32, ctx.device);
-    Tensor no_amax;
-    quantize_per_tensor(ctx, x, scale, q.data, amax_out ? *amax_out : no_amax);
-    transpose_2d(ctx, q.data, q.data_t);
+    // Before the cast: amax_out may be the scale tensor itself, which the cast overwrites.
     cuda::fp8_reciprocal_scale(ctx.stream, scale, q.scale_inv);
+    if (x.is_contiguous() && scale.is_contiguous() && cuda::cast_transpose_supported(x.dtype())) {
+      // Both copies from one read of x (backend/cuda/cast_transpose.cu), the same bytes.
+      if (amax.defined()) {
+        check_contiguous(amax, op, "amax_out");
+        check_dtype(amax, DType::F32, op, "amax_out");
+        check_shape(amax, {1}, op, "amax_out");
+      }
+      cuda::cast_transpose(ctx.stream, x, scale, q.data, q.data_t, amax);
+    } else {
+      quantize_per_tensor(ctx, x, scale, q.data, amax);
+      transpose_2d(ctx, q.data, q.data_t);
+    }
     return q;
 #else
     fail_no_kernel(op, ctx);
@@ -62,6 +75,35 @@ QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Ten
   Tensor no_amax;
   quantize_per_tensor(ctx, x, scale, q.data, amax_out ? *amax_out : no_amax);
   transpose_2d(ctx, q.data, q.data_t);
+  q.scale_inv = Tensor::from_floats({1.0f / s}, {1}).to(ctx.device);
+  return q;
+}
+
+QuantizedTensor quantized_from_codes(Context& ctx, const Tensor& data, const Tensor& scale) {
+  const char* op = "quantized_from_codes";
+  check_defined(data, op, "data");
+  TESSERA_CHECK(data.dim() == 2 && data.is_contiguous() && is_fp8(data.dtype()), op,
+                ": data must be a contiguous 2-D E4M3 or E5M2 tensor, got ", data.describe());
+  check_defined(scale, op, "scale");
+  check_dtype(scale, DType::F32, op, "scale");
+  check_shape(scale, {1}, op, "scale");
+  check_on_device(ctx, op, {&data, &scale});
+  QuantizedTensor q;
+  q.dtype = data.dtype();
+  q.data = data;
+  q.data_t = Tensor::empty({data.size(1), data.size(0)}, data.dtype(), ctx.device);
+  transpose_2d(ctx, q.data, q.data_t);
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    q.scale_inv = Tensor::empty({1}, DType::F32, ctx.device);
+    cuda::fp8_reciprocal_scale(ctx.stream, scale, q.scale_inv);
+    return q;
+#else
+    fail_no_kernel(op, ctx);
+#endif
+  }
+  const float s = host_scalar(scale, op, "scale");
+  TESSERA_CHECK(s > 0 && std::isfinite(s), op, ": scale must be finite and > 0, got ", s);
   q.scale_inv = Tensor::from_floats({1.0f / s}, {1}).to(ctx.device);
   return q;
 }

@@ -14,6 +14,7 @@
 #include <map>
 #include <set>
 
+#include "tessera/core/stream.h"
 #include "tessera/io/atomic_file.h"
 #include "tessera/io/safetensors.h"
 #include "tessera/ops/elementwise.h"
@@ -460,7 +461,7 @@ void load_hf_model(const std::string& dir, TransformerLM& model) {
       Tensor dst = piece_view(*m.param, piece);
       dst.copy_from(stored.to(dst.device()));
     }
-    Context ctx{m.param->value.device()};
+    Context ctx = context_on(m.param->value.device());  // the thread's current stream there
     m.param->refresh_value(ctx);
   }
 }

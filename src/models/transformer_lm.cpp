@@ -8,25 +8,35 @@
 #include "tessera/ops/embedding.h"
 #include "tessera/ops/gemm.h"
 #include "tessera/ops/loss.h"
+#include "models/parallel_lm.h"
 
 namespace tessera::models {
 
 TransformerLM::TransformerLM(const ModelConfig& config, DType dtype, const nn::ParallelContext& parallel)
-    : config_((config.validate(), config)),
+    : config_((config.validate(), validate_parallel(config, parallel), config)),
       dtype_(dtype),
-      token_embedding("embed.weight", {config.vocab_size, config.hidden_size}, dtype, true),
+      parallel_(parallel),
+      // Under tensor parallelism the vocab-parallel embedding in tp_ holds this rank's rows.
+      token_embedding(parallel.tensor_size > 1 ? nn::Parameter()
+                                               : nn::Parameter("embed.weight", {config.vocab_size, config.hidden_size},
+                                                               dtype, true)),
       final_norm("final_norm", config.is_gpt2() ? nn::NormKind::LayerNorm : nn::NormKind::RMSNorm, config.hidden_size,
                  config.norm_eps, dtype) {
   TESSERA_CHECK(dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16,
                 "TransformerLM: the compute dtype must be f32, f64 or bf16, got ", dtype_name(dtype));
   if (config.is_gpt2())
     position_embedding = nn::Parameter("pos_embed.weight", {config.max_seq_len, config.hidden_size}, dtype, true);
+  if (parallel.tensor_size > 1) {
+    tp_ = std::make_shared<TensorParallelParts>(config, dtype, parallel);
+    return;
+  }
   for (int64_t i = 0; i < config.num_layers; ++i)
     layers.push_back(std::make_unique<nn::TransformerLayer>("layers." + std::to_string(i), config, dtype, parallel));
   if (!config.tie_embeddings) lm_head = nn::Parameter("lm_head.weight", {config.vocab_size, config.hidden_size}, dtype, true);
 }
 
 nn::ParameterList TransformerLM::parameters() {
+  if (tp_) return tp_->parameters(*this);
   nn::ParameterList out{&token_embedding};
   if (position_embedding.value.defined()) out.push_back(&position_embedding);
   for (auto& layer : layers) layer->parameters(out);
@@ -47,6 +57,10 @@ void TransformerLM::zero_grad() {
 
 void TransformerLM::to(Device device) {
   for (nn::Parameter* p : parameters()) p->to(device);
+  if (tp_) {
+    tp_->to(*this, device);
+    return;
+  }
   for (auto& layer : layers)
     if (layer->moe) layer->moe->to(device);
   head_value_padded_ = head_grad_padded_ = Tensor();
@@ -71,23 +85,32 @@ void TransformerLM::refresh_values(Context& ctx) {
   for (nn::Parameter* p : parameters()) p->refresh_value(ctx);
 }
 
+void TransformerLM::init_tensor(Context& ctx, const std::string& name, Tensor& w, int64_t num_layers, uint64_t seed,
+                                uint64_t stream) {
+  const float residual_std = 0.02f / std::sqrt(2.0f * num_layers);
+  const bool is_norm = name.find("norm") != std::string::npos;
+  const bool is_bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+  const bool is_residual_proj = name.find(".proj.weight") != std::string::npos;
+  if (is_norm && !is_bias) {
+    Tensor ones = Tensor::empty(w.shape(), w.dtype());
+    for (int64_t i = 0; i < ones.numel(); ++i) ones.set_item(i, 1.0);
+    w.copy_from(ones);
+  } else if (is_bias) {
+    w.fill_zero();
+  } else {
+    fill_normal(ctx, w, 0.0f, is_residual_proj ? residual_std : 0.02f, seed, stream);
+  }
+}
+
 void TransformerLM::init(Context& ctx, uint64_t seed) {
-  const float residual_std = 0.02f / std::sqrt(2.0f * config_.num_layers);
+  // Tensor parallel: each full tensor drawn as below, this rank's shard kept.
+  if (tp_) {
+    tp_->init(*this, ctx, seed);
+    return;
+  }
   uint64_t stream = 0;  // each parameter draws from its own offset of the seed's stream
   for (nn::Parameter* p : parameters()) {
-    const bool is_norm = p->name.find("norm") != std::string::npos;
-    const bool is_bias = p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, ".bias") == 0;
-    const bool is_residual_proj = p->name.find(".proj.weight") != std::string::npos;
-    Tensor& w = p->weights();
-    if (is_norm && !is_bias) {
-      Tensor ones = Tensor::empty(w.shape(), w.dtype());
-      for (int64_t i = 0; i < ones.numel(); ++i) ones.set_item(i, 1.0);
-      w.copy_from(ones);
-    } else if (is_bias) {
-      w.fill_zero();
-    } else {
-      fill_normal(ctx, w, 0.0f, is_residual_proj ? residual_std : 0.02f, seed, stream);
-    }
+    init_tensor(ctx, p->name, p->weights(), config_.num_layers, seed, stream);
     p->refresh_value(ctx);
     stream += static_cast<uint64_t>(p->numel());  // a fill of n normals uses n/2 counters: no overlap
   }
@@ -136,19 +159,21 @@ double TransformerLM::HeadLoss::read() const {
   return loss;
 }
 
-TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor& targets,
+TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor* targets,
                                                  const Tensor& device_targets, Tensor* d_h, float scale) {
   const int64_t rows = h.size(0), vocab = config_.vocab_size;
   const Tensor flat_targets = device_targets.reshape({rows});
   // Counting the valid targets first lets every chunk scale its gradient by the global mean.
   // Targets come from the host-side loader, so this reads host memory, not the device.
-  const std::vector<int64_t> host_targets = targets.reshape({rows}).to_ints();
+  // Without them (forward_backward_into) every target is valid by contract.
+  const std::vector<int64_t> host_targets = targets ? targets->reshape({rows}).to_ints() : std::vector<int64_t>();
   std::vector<int64_t> chunk_valid_counts;
   int64_t valid = 0;
   for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
     const int64_t r1 = std::min(rows, r0 + kHeadChunkRows);
-    chunk_valid_counts.push_back(std::count_if(host_targets.begin() + r0, host_targets.begin() + r1,
-                                               [](int64_t t) { return t != kIgnoreIndex; }));
+    chunk_valid_counts.push_back(targets ? std::count_if(host_targets.begin() + r0, host_targets.begin() + r1,
+                                                         [](int64_t t) { return t != kIgnoreIndex; })
+                                         : r1 - r0);
     valid += chunk_valid_counts.back();
   }
   if (valid == 0) {
@@ -200,12 +225,53 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
 }
 
 double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const Tensor& targets, float scale) {
+  if (tp_) return tp_->forward_backward(*this, ctx, inputs, targets, scale);
   TESSERA_CHECK(targets.shape() == inputs.shape(), "TransformerLM: targets ", targets.describe(), " must match inputs ",
                 inputs.describe());
-  const int64_t batch = inputs.size(0), seq = inputs.size(1);
   // Every host-to-device copy of the step happens here, before the first kernel: a copy
   // from pageable host memory waits for the GPU to drain, which costs nothing only here.
   const Tensor ids = inputs.to(ctx.device), device_targets = targets.to(ctx.device);
+  Saved saved;
+  const HeadLoss loss = forward_backward_queued(ctx, ids, &targets, device_targets, scale, saved);
+  double total = loss.read();  // the step's only wait for the GPU, after its whole backward is queued
+  last_aux_loss_ = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (!layers[i]->moe) continue;
+    const Tensor losses = saved.layers[i].moe.losses.to(Device::cpu());
+    last_aux_loss_ += losses.item(0) + losses.item(1);
+  }
+  return total + last_aux_loss_;
+}
+
+void TransformerLM::forward_backward_into(Context& ctx, const Tensor& inputs, const Tensor& targets, float scale,
+                                          Tensor& loss_acc, double loss_divisor) {
+  const char* op = "TransformerLM::forward_backward_into";
+  TESSERA_CHECK(!tp_, op, ": not built for tensor parallelism (use forward_backward)");
+  TESSERA_CHECK(!config_.is_moe(), op, ": mixture-of-experts models read their per-expert token counts on the ",
+                "host every step, so they have no device-resident step (use forward_backward)");
+  TESSERA_CHECK(targets.shape() == inputs.shape(), op, ": targets ", targets.describe(), " must match inputs ",
+                inputs.describe());
+  TESSERA_CHECK(inputs.device() == ctx.device && targets.device() == ctx.device, op, ": inputs ", inputs.describe(),
+                " and targets ", targets.describe(), " must already be on ", ctx.device.to_string());
+  Saved saved;
+  const HeadLoss loss = forward_backward_queued(ctx, inputs, nullptr, targets, scale, saved);
+  const Tensor chunk_losses =
+      loss.chunk_losses.defined() ? loss.chunk_losses : Tensor::empty({0}, nn::master_dtype(dtype_), ctx.device);
+  accumulate_weighted_loss(ctx, chunk_losses, loss.weights, loss_divisor, loss_acc);
+  last_aux_loss_ = 0;
+}
+
+std::vector<Tensor> TransformerLM::step_buffers() const {
+  std::vector<Tensor> out;
+  for (const Tensor* t : {&positions_, &head_value_padded_, &head_grad_padded_})
+    if (t->defined()) out.push_back(*t);
+  return out;
+}
+
+TransformerLM::HeadLoss TransformerLM::forward_backward_queued(Context& ctx, const Tensor& ids, const Tensor* targets,
+                                                               const Tensor& device_targets, float scale,
+                                                               Saved& saved) {
+  const int64_t batch = ids.size(0), seq = ids.size(1);
   // GPT-2's position ids for the backward: the same for every step of one shape, so built
   // and copied once.
   if (position_embedding.value.defined() &&
@@ -216,7 +282,6 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
     positions_ = host_positions.to(ctx.device);
     positions_seq_ = seq;
   }
-  Saved saved;
   const Tensor h = trunk_forward(ctx, ids, saved);
   for (size_t i = 0; i < layers.size(); ++i) {
     if (!layers[i]->moe) continue;
@@ -224,7 +289,7 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
     saved.layers[i].moe.loss_scale = scale;  // the aux losses are averaged like the cross-entropy
   }
   Tensor d = Tensor::empty(h.shape(), dtype_, ctx.device);
-  const HeadLoss loss = head_loss(ctx, h, targets, device_targets, &d, scale);
+  HeadLoss loss = head_loss(ctx, h, targets, device_targets, &d, scale);
   d = final_norm.backward_input(ctx, d, saved.final_norm);
   for (size_t i = layers.size(); i-- > 0;) {
     const Tensor dy = d;
@@ -233,14 +298,7 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
   }
   embedding_backward(ctx, ids.reshape({batch * seq}), d, token_embedding.grad);
   if (position_embedding.value.defined()) embedding_backward(ctx, positions_, d, position_embedding.grad);
-  double total = loss.read();  // the step's only wait for the GPU, after its whole backward is queued
-  last_aux_loss_ = 0;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    if (!layers[i]->moe) continue;
-    const Tensor losses = saved.layers[i].moe.losses.to(Device::cpu());
-    last_aux_loss_ += losses.item(0) + losses.item(1);
-  }
-  return total + last_aux_loss_;
+  return loss;
 }
 
 std::vector<std::vector<int64_t>> TransformerLM::expert_loads() const {
@@ -256,12 +314,14 @@ void TransformerLM::update_expert_biases(Context& ctx) {
 }
 
 double TransformerLM::forward_loss(Context& ctx, const Tensor& inputs, const Tensor& targets) {
+  if (tp_) return tp_->forward_loss(*this, ctx, inputs, targets);
   Saved saved;
   const Tensor ids = inputs.to(ctx.device), device_targets = targets.to(ctx.device);
-  return head_loss(ctx, trunk_forward(ctx, ids, saved), targets, device_targets, nullptr, 1.0f).read();
+  return head_loss(ctx, trunk_forward(ctx, ids, saved), &targets, device_targets, nullptr, 1.0f).read();
 }
 
 Tensor TransformerLM::logits(Context& ctx, const Tensor& inputs) {
+  if (tp_) return tp_->logits(*this, ctx, inputs);
   Saved saved;
   const Tensor h = trunk_forward(ctx, inputs, saved);
   Tensor out = Tensor::empty({h.size(0), config_.vocab_size}, DType::F32, ctx.device);

@@ -35,10 +35,22 @@ fp8::QuantizedTensor Fp8Scaling::quantize(Context& ctx, const Tensor& x, int64_t
     return fp8::quantize_with_transpose(ctx, x, delayed_->scale(i), dtype(slot), &pending);
   }
   // Current scaling: this tensor's own amax, turned into a scale on the device.
-  Tensor x_amax = Tensor::empty({1}, DType::F32, ctx.device), scale = Tensor::empty({1}, DType::F32, ctx.device);
+  Tensor x_amax = Tensor::empty({1}, DType::F32, ctx.device);
   amax(ctx, x, x_amax);
-  fp8::scale_from_amax(ctx, x_amax, dtype(slot), margin_, power_of_two_, scale);
-  return fp8::quantize_with_transpose(ctx, x, scale, dtype(slot));
+  return fp8::quantize_with_transpose(ctx, x, current_scale(ctx, x_amax, slot), dtype(slot));
+}
+
+Fp8Scaling::CastTarget Fp8Scaling::cast_target(Context& ctx, int64_t layer, Slot slot) {
+  TESSERA_CHECK(layer >= 0 && layer < num_linears_, "Fp8Scaling: layer ", layer, " outside [0, ", num_linears_, ")");
+  if (delayed_) return {delayed_->scale(3 * layer + slot), delayed_->pending_amax(3 * layer + slot)};
+  return {Tensor(), Tensor::empty({1}, DType::F32, ctx.device)};
+}
+
+Tensor Fp8Scaling::current_scale(Context& ctx, const Tensor& amax, Slot slot) const {
+  TESSERA_CHECK(!delayed_, "Fp8Scaling::current_scale: the recipe is \"", recipe_.name(), "\", not current scaling");
+  Tensor scale = Tensor::empty({1}, DType::F32, ctx.device);
+  fp8::scale_from_amax(ctx, amax, dtype(slot), margin_, power_of_two_, scale);
+  return scale;
 }
 
 void Fp8Scaling::end_micro_batch(Context& ctx) {

@@ -35,30 +35,42 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
 }
 
 bool Linear::runs_fp8(const Tensor& x) const {
+  return x.dim() == 2 && x.size(1) == in_ && runs_fp8(x.size(0), x.dtype());
+}
+
+bool Linear::runs_fp8(int64_t rows, DType dtype) const {
   // cuBLASLt's FP8 GEMMs want every dimension (K of each of the three GEMMs) a multiple of 16;
   // the CPU emulation follows the same rule so that both devices take the same path.
-  return fp8_.scaling && x.dtype() == DType::BF16 && weight.value.dtype() == DType::BF16 && x.dim() == 2 &&
-         x.size(0) % 16 == 0 && x.size(0) > 0 && in_ % 16 == 0 && out_ % 16 == 0 &&
-         (!bias.value.defined() || bias.value.dtype() == DType::BF16);
+  return fp8_.scaling && dtype == DType::BF16 && weight.value.dtype() == DType::BF16 && rows % 16 == 0 && rows > 0 &&
+         in_ % 16 == 0 && out_ % 16 == 0 && (!bias.value.defined() || bias.value.dtype() == DType::BF16);
 }
 
 Tensor Linear::forward(Context& ctx, const Tensor& x, Saved& saved) const {
   TESSERA_CHECK(x.dim() == 2 && x.size(1) == in_, "Linear ", weight.name, ": input must be [N, ", in_, "], got ",
                 x.describe());
+  if (runs_fp8(x)) return forward(ctx, fp8_.scaling->quantize(ctx, x, fp8_.layer, Fp8Scaling::kInput), saved);
+  saved.fp8 = false;
   Tensor y = Tensor::empty({x.size(0), out_}, weight.value.dtype(), ctx.device);
-  saved.fp8 = runs_fp8(x);
-  if (saved.fp8) {
-    saved.x = Tensor();
-    saved.x_fp8 = fp8_.scaling->quantize(ctx, x, fp8_.layer, Fp8Scaling::kInput);
-    saved.w_fp8 = fp8_.scaling->quantize(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);
-    fp8::Fp8GemmOptions options;
-    options.fast_accumulate = true;  // forward only, as Transformer Engine does
-    options.bias = bias.value;
-    fp8::fp8_gemm(ctx, saved.x_fp8, false, saved.w_fp8, true, y, options);  // y = x W^T + b
-    return y;
-  }
   gemm(ctx, x, weight.value, y, {.transpose_b = true}, bias.value);
   saved.x = x;
+  return y;
+}
+
+Tensor Linear::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved) const {
+  TESSERA_CHECK(x.data.defined() && x.data.dim() == 2 && x.cols() == in_, "Linear ", weight.name,
+                ": FP8 input must be [N, ", in_, "], got ", x.data.describe());
+  TESSERA_CHECK(runs_fp8(x.rows(), DType::BF16), "Linear ", weight.name,
+                ": an FP8 input needs an FP8 binding, a BF16 weight and rows, in and out multiples of 16 (rows ",
+                x.rows(), ", ", in_, " -> ", out_, ")");
+  Tensor y = Tensor::empty({x.rows(), out_}, weight.value.dtype(), ctx.device);
+  saved.fp8 = true;
+  saved.x = Tensor();
+  saved.x_fp8 = x;
+  saved.w_fp8 = fp8_.scaling->quantize(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);
+  fp8::Fp8GemmOptions options;
+  options.fast_accumulate = true;  // forward only, as Transformer Engine does
+  options.bias = bias.value;
+  fp8::fp8_gemm(ctx, saved.x_fp8, false, saved.w_fp8, true, y, options);  // y = x W^T + b
   return y;
 }
 

@@ -31,6 +31,14 @@ Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
   return proj.forward(ctx, h, saved.proj_in);
 }
 
+Tensor MLP::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved) const {
+  saved.h_pre = fc.forward(ctx, x, saved.fc_in);
+  Tensor h = Tensor::empty({x.rows(), proj.in_features()}, saved.h_pre.dtype(), ctx.device);
+  if (activation == Activation::GELU) gelu_forward(ctx, saved.h_pre, h);  // as forward's FP8 branch
+  else swiglu_forward(ctx, saved.h_pre, h);
+  return proj.forward(ctx, h, saved.proj_in);
+}
+
 Tensor MLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
   saved.d_h_pre = Tensor::empty(saved.h_pre.shape(), dy.dtype(), ctx.device);
   if (activation == Activation::GELU && saved.proj_in.fp8) {

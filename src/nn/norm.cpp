@@ -57,6 +57,57 @@ Tensor Norm::backward_input_add(Context& ctx, const Tensor& dy, const Tensor& d_
   return dx;
 }
 
+fp8::QuantizedTensor Norm::forward_fp8(Context& ctx, const Tensor& x, const Fp8Binding& binding, Saved& saved) const {
+  return cast_fp8(ctx, x, nullptr, binding, saved);
+}
+
+fp8::QuantizedTensor Norm::forward_add_fp8(Context& ctx, const Tensor& x, const Tensor& residual,
+                                           const Fp8Binding& binding, Saved& saved) const {
+  return cast_fp8(ctx, x, &residual, binding, saved);
+}
+
+fp8::QuantizedTensor Norm::cast_fp8(Context& ctx, const Tensor& x, const Tensor* residual, const Fp8Binding& binding,
+                                    Saved& saved) const {
+  TESSERA_CHECK(binding.scaling, "Norm ", weight.name, ": forward_fp8 needs an FP8 binding");
+  TESSERA_CHECK(x.dim() == 2, "Norm ", weight.name, ": forward_fp8 takes a 2-D input, got ", x.describe());
+  Fp8Scaling& scaling = *binding.scaling;
+  const DType code = scaling.dtype(Fp8Scaling::kInput);
+  TESSERA_CHECK(code == DType::E4M3, "Norm ", weight.name, ": the norm casts to E4M3 only, the recipe asks for ",
+                dtype_name(code));
+  const DType stats = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  const int64_t rows = x.size(0);
+  saved.x = residual ? Tensor::empty(x.shape(), x.dtype(), ctx.device) : x;
+  saved.rstd = Tensor::empty({rows}, stats, ctx.device);
+  if (kind == NormKind::LayerNorm) saved.mean = Tensor::empty({rows}, stats, ctx.device);
+
+  Fp8Scaling::CastTarget target = scaling.cast_target(ctx, binding.layer, Fp8Scaling::kInput);
+  const bool cast_in_pass = scaling.scale_known_before_cast();
+  NormFp8Output out;
+  out.amax = target.amax;
+  if (cast_in_pass) out.q = Tensor::empty(x.shape(), code, ctx.device);
+  // Delayed: the whole cast. Current: the statistics pass (amax, mean, rstd, sum).
+  if (kind == NormKind::LayerNorm) {
+    if (residual)
+      add_layernorm_forward_fp8(ctx, x, *residual, weight.value, bias.value, eps_, target.scale, saved.x, out,
+                                saved.mean, saved.rstd);
+    else
+      layernorm_forward_fp8(ctx, x, weight.value, bias.value, eps_, target.scale, out, saved.mean, saved.rstd);
+  } else {
+    if (residual)
+      add_rmsnorm_forward_fp8(ctx, x, *residual, weight.value, eps_, target.scale, saved.x, out, saved.rstd);
+    else
+      rmsnorm_forward_fp8(ctx, x, weight.value, eps_, target.scale, out, saved.rstd);
+  }
+  if (cast_in_pass) return fp8::quantized_from_codes(ctx, out.q, target.scale);
+  const Tensor scale = scaling.current_scale(ctx, out.amax, Fp8Scaling::kInput);
+  Tensor q = Tensor::empty(x.shape(), code, ctx.device);
+  if (kind == NormKind::LayerNorm)
+    layernorm_apply_fp8(ctx, saved.x, weight.value, bias.value, saved.mean, saved.rstd, scale, q);
+  else
+    rmsnorm_apply_fp8(ctx, saved.x, weight.value, saved.rstd, scale, q);
+  return fp8::quantized_from_codes(ctx, q, scale);
+}
+
 void Norm::parameters(ParameterList& out) {
   out.push_back(&weight);
   if (bias.value.defined()) out.push_back(&bias);

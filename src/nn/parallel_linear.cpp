@@ -4,6 +4,7 @@
 #include "tessera/dist/process_group.h"
 #include "tessera/ops/activation.h"
 #include "tessera/ops/attention.h"
+#include "tessera/ops/elementwise.h"
 #include "tessera/ops/rope.h"
 #include "tessera/ops/gemm.h"
 
@@ -45,10 +46,15 @@ void check_divisible(int64_t n, int64_t by, const std::string& name, const char*
 // ---- ColumnParallelLinear ----
 
 namespace {
-std::vector<int64_t> equal_blocks(int64_t out, int parts, const std::string& name) {
+std::vector<ColumnParallelLinear::Block> equal_blocks(int64_t out, int parts, const std::string& name) {
   TESSERA_CHECK(parts >= 1 && out % parts == 0, "ColumnParallelLinear ", name, ": out_features ", out,
                 " is not ", parts, " equal blocks");
-  return std::vector<int64_t>(static_cast<size_t>(parts), out / parts);
+  return std::vector<ColumnParallelLinear::Block>(static_cast<size_t>(parts), {out / parts, 0});
+}
+std::vector<ColumnParallelLinear::Block> split_blocks(const std::vector<int64_t>& widths) {
+  std::vector<ColumnParallelLinear::Block> blocks;
+  for (int64_t w : widths) blocks.push_back({w, 0});
+  return blocks;
 }
 }  // namespace
 
@@ -59,6 +65,11 @@ ColumnParallelLinear::ColumnParallelLinear(const std::string& name, int64_t in_f
 ColumnParallelLinear::ColumnParallelLinear(const std::string& name, int64_t in_features,
                                            const std::vector<int64_t>& blocks, bool has_bias, DType dtype,
                                            const ParallelContext& parallel)
+    : ColumnParallelLinear(name, in_features, split_blocks(blocks), has_bias, dtype, parallel) {}
+
+ColumnParallelLinear::ColumnParallelLinear(const std::string& name, int64_t in_features,
+                                           const std::vector<Block>& blocks, bool has_bias, DType dtype,
+                                           const ParallelContext& parallel)
     : in_(in_features),
       out_(0),
       tp_(parallel.tensor_size),
@@ -67,24 +78,44 @@ ColumnParallelLinear::ColumnParallelLinear(const std::string& name, int64_t in_f
       sequence_parallel_(parallel.sequence_parallel && parallel.tensor_size > 1),
       group_(tensor_group_of(parallel, name)) {
   TESSERA_CHECK(in_features > 0 && !blocks.empty(), "ColumnParallelLinear ", name, ": bad sizes");
-  for (int64_t b : blocks_) {
-    TESSERA_CHECK(b > 0, "ColumnParallelLinear ", name, ": block widths must be positive");
-    check_divisible(b, tp_, name, "output block");
-    out_ += b;
+  for (Block& b : blocks_) {
+    if (b.shards == 0) b.shards = tp_;
+    TESSERA_CHECK(b.width > 0, "ColumnParallelLinear ", name, ": block widths must be positive");
+    TESSERA_CHECK(b.shards >= 1 && tp_ % b.shards == 0, "ColumnParallelLinear ", name, ": a block in ", b.shards,
+                  " shards does not fit the tensor-parallel size ", tp_);
+    check_divisible(b.width, b.shards, name, "output block");
+    out_ += b.width;
+    local_out_ += b.width / b.shards;
   }
-  weight = Parameter(name + ".weight", {out_ / tp_, in_}, dtype, true);
-  if (has_bias) bias = Parameter(name + ".bias", {out_ / tp_}, dtype, false);
+  weight = Parameter(name + ".weight", {local_out_, in_}, dtype, true);
+  if (has_bias) bias = Parameter(name + ".bias", {local_out_}, dtype, false);
 }
 
-std::vector<std::pair<int64_t, int64_t>> ColumnParallelLinear::shard_rows() const {
+std::vector<std::pair<int64_t, int64_t>> ColumnParallelLinear::shard_rows(int rank) const {
   std::vector<std::pair<int64_t, int64_t>> rows;
   int64_t start = 0;
-  for (int64_t block : blocks_) {
-    const int64_t slice = block / tp_;
-    rows.emplace_back(start + rank_ * slice, start + (rank_ + 1) * slice);
-    start += block;
+  for (const Block& block : blocks_) {
+    const int64_t slice = block.width / block.shards, index = rank / (tp_ / block.shards);
+    rows.emplace_back(start + index * slice, start + (index + 1) * slice);
+    start += block.width;
   }
   return rows;
+}
+
+ShardLayout ColumnParallelLinear::weight_layout() const {
+  if (tp_ == 1) return ShardLayout::replicated({out_, in_});
+  ShardLayout l;
+  l.full = {out_, in_};
+  l.dim = 0;
+  l.local_extent = local_out_;
+  for (int r = 0; r < tp_; ++r) l.ranges.push_back(shard_rows(r));
+  return l;
+}
+
+ShardLayout ColumnParallelLinear::bias_layout() const {
+  ShardLayout l = weight_layout();
+  l.full = {out_};
+  return l;
 }
 
 void ColumnParallelLinear::load_full(Context& ctx, const Tensor& full_weight, const Tensor& full_bias) {
@@ -106,7 +137,7 @@ Tensor ColumnParallelLinear::forward(Context& ctx, const Tensor& x, Saved& saved
   TESSERA_CHECK(x.dim() == 2 && x.size(1) == in_, "ColumnParallelLinear ", weight.name, ": input must be [N, ", in_,
                 "], got ", x.describe());
   saved.x = sequence_parallel_ ? gather_rows(ctx, *group_, x) : x;
-  Tensor y = Tensor::empty({saved.x.size(0), out_ / tp_}, weight.value.dtype(), ctx.device);
+  Tensor y = Tensor::empty({saved.x.size(0), local_out_}, weight.value.dtype(), ctx.device);
   gemm(ctx, saved.x, weight.value, y, {.transpose_b = true}, bias.value);
   return y;
 }
@@ -144,6 +175,12 @@ RowParallelLinear::RowParallelLinear(const std::string& name, int64_t in_feature
   weight = Parameter(name + ".weight", {out_, in_ / tp_}, dtype, true);
   if (has_bias) bias = Parameter(name + ".bias", {out_}, dtype, false);
 }
+
+ShardLayout RowParallelLinear::weight_layout() const {
+  return tp_ == 1 ? ShardLayout::replicated({out_, in_}) : ShardLayout::even({out_, in_}, 1, tp_);
+}
+
+ShardLayout RowParallelLinear::bias_layout() const { return ShardLayout::replicated({out_}); }
 
 void RowParallelLinear::load_full(Context& ctx, const Tensor& full_weight, const Tensor& full_bias) {
   check_shape(full_weight, {out_, in_}, "RowParallelLinear::load_full", "full_weight");
@@ -229,6 +266,13 @@ void TensorParallelMLP::parameters(ParameterList& out) {
   proj.parameters(out);
 }
 
+void TensorParallelMLP::layouts(std::vector<ShardLayout>& out) const {
+  out.push_back(fc.weight_layout());
+  if (fc.bias.value.defined()) out.push_back(fc.bias_layout());
+  out.push_back(proj.weight_layout());
+  if (proj.bias.value.defined()) out.push_back(proj.bias_layout());
+}
+
 void TensorParallelMLP::load_full(Context& ctx, MLP& full) {
   TESSERA_CHECK(full.activation == activation, "TensorParallelMLP::load_full: activations differ");
   fc.load_full(ctx, full.fc.weight.weights(), full.fc.bias.weights());
@@ -238,22 +282,45 @@ void TensorParallelMLP::load_full(Context& ctx, MLP& full) {
 // ---- TensorParallelSelfAttention ----
 
 namespace {
-int64_t local_count(int64_t n, int tp, const std::string& name, const char* what) {
-  TESSERA_CHECK(n % tp == 0, name, ": ", what, " (", n, ") must divide by the tensor-parallel size ", tp);
-  return n / tp;
+// The fused [q | k | v] blocks of the QKV projection; checks the head counts first, so the
+// error names the rule rather than a block width.
+std::vector<ColumnParallelLinear::Block> qkv_blocks(const AttentionConfig& c, int tp, const std::string& name) {
+  TESSERA_CHECK(c.num_heads > 0 && c.num_kv_heads > 0 && c.hidden % c.num_heads == 0, name,
+                ": bad head counts (hidden ", c.hidden, ", num_heads ", c.num_heads, ", num_kv_heads ",
+                c.num_kv_heads, ")");
+  TESSERA_CHECK(c.num_heads % tp == 0, name, ": num_heads (", c.num_heads,
+                ") must divide by the tensor-parallel size ", tp);
+  TESSERA_CHECK(c.num_kv_heads % tp == 0 || tp % c.num_kv_heads == 0, name, ": num_kv_heads (", c.num_kv_heads,
+                ") and the tensor-parallel size ", tp,
+                " do not fit: K/V heads are split when num_kv_heads divides by it and replicated when it divides by "
+                "num_kv_heads");
+  const int64_t d = c.hidden / c.num_heads;
+  const int kv_shards = c.num_kv_heads % tp == 0 ? tp : static_cast<int>(c.num_kv_heads);
+  return {{c.num_heads * d, tp}, {c.num_kv_heads * d, kv_shards}, {c.num_kv_heads * d, kv_shards}};
 }
 }  // namespace
 
 TensorParallelSelfAttention::TensorParallelSelfAttention(const std::string& name, const AttentionConfig& c,
                                                          DType dtype, const ParallelContext& parallel)
-    : qkv(name + ".qkv", c.hidden,
-          {c.num_heads * (c.hidden / c.num_heads), c.num_kv_heads * (c.hidden / c.num_heads),
-           c.num_kv_heads * (c.hidden / c.num_heads)},
-          c.bias, dtype, parallel),
+    : qkv(name + ".qkv", c.hidden, qkv_blocks(c, parallel.tensor_size, name), c.bias, dtype, parallel),
       proj(name + ".proj", c.hidden, c.hidden, c.bias, dtype, parallel),
       config_(c),
-      local_heads_(local_count(c.num_heads, parallel.tensor_size, name, "num_heads")),
-      local_kv_heads_(local_count(c.num_kv_heads, parallel.tensor_size, name, "num_kv_heads")) {}
+      local_heads_(c.num_heads / parallel.tensor_size),
+      local_kv_heads_(c.num_kv_heads % parallel.tensor_size == 0 ? c.num_kv_heads / parallel.tensor_size : 1) {
+  // Replicated K/V heads: the ranks holding the same head form a group (a collective over
+  // the tensor group, made once here).
+  if (c.num_kv_heads % parallel.tensor_size != 0) {
+    const int copies = parallel.tensor_size / static_cast<int>(c.num_kv_heads);
+    kv_group_ = parallel.tensor_group->split(parallel.tensor_rank / copies, parallel.tensor_rank);
+  }
+}
+
+void TensorParallelSelfAttention::layouts(std::vector<ShardLayout>& out) const {
+  out.push_back(qkv.weight_layout());
+  if (qkv.bias.value.defined()) out.push_back(qkv.bias_layout());
+  out.push_back(proj.weight_layout());
+  if (proj.bias.value.defined()) out.push_back(proj.bias_layout());
+}
 
 void TensorParallelSelfAttention::load_full(Context& ctx, SelfAttention& full) {
   qkv.load_full(ctx, full.qkv.weight.weights(), full.qkv.bias.weights());
@@ -276,7 +343,26 @@ Tensor TensorParallelSelfAttention::backward_input(Context& ctx, const Tensor& d
 
 void TensorParallelSelfAttention::backward_weight(Context& ctx, const Tensor& dy, Saved& saved) {
   proj.backward_weight(ctx, dy, saved.out_in);
+  if (!kv_group_) {
+    qkv.backward_weight(ctx, saved.d_qkv, saved.qkv_in);
+    return;
+  }
+  // A replicated K/V head's weight gradient is the sum of what each sharing rank's query
+  // heads contribute. The gradient accumulates over micro-batches, so only this call's part
+  // is summed: the rows' earlier value is set aside and added back.
+  const int64_t d = config_.hidden / config_.num_heads, kv0 = local_heads_ * d, kv1 = kv0 + 2 * local_kv_heads_ * d;
+  std::vector<Tensor> kv_grads{qkv.weight.grad.slice(0, kv0, kv1)};
+  if (qkv.bias.value.defined()) kv_grads.push_back(qkv.bias.grad.slice(0, kv0, kv1));
+  std::vector<Tensor> earlier;
+  for (Tensor& g : kv_grads) {
+    earlier.push_back(g.clone());
+    g.fill_zero();
+  }
   qkv.backward_weight(ctx, saved.d_qkv, saved.qkv_in);
+  for (size_t i = 0; i < kv_grads.size(); ++i) {
+    kv_group_->all_reduce(ctx, kv_grads[i]);
+    add(ctx, kv_grads[i], earlier[i], kv_grads[i]);
+  }
 }
 
 void TensorParallelSelfAttention::parameters(ParameterList& out) {

@@ -42,18 +42,29 @@ TransformerLayer::TransformerLayer(const std::string& name, const models::ModelC
       norm2(name + ".norm2", norm_kind(c), c.hidden_size, c.norm_eps, dtype),
       attn(name + ".attn", attention_config(c), dtype, parallel),
       mlp(name + ".mlp", c.hidden_size, c.is_moe() ? 1 : c.ffn_size(), c.is_gpt2() ? Activation::GELU : Activation::SwiGLU,
-          c.is_gpt2(), dtype, parallel) {
+          c.is_gpt2(), dtype, parallel),
+      attn_config_(attention_config(c)),
+      norm1_qkv_(norm1, attn.qkv),
+      norm2_mlp_(norm2, mlp) {
   if (c.is_moe()) moe = std::make_unique<MoELayer>(name + ".moe", moe_options(c), dtype);
 }
 
 TransformerLayer::Output TransformerLayer::forward(Context& ctx, const Tensor& x, const Tensor& branch, int64_t batch,
                                                   int64_t seq, Saved& saved) const {
-  // The block's input (x + branch when there is a branch) ends up in saved.norm1.x.
-  const Tensor attn_in = branch.defined() ? norm1.forward_add(ctx, x, branch, saved.norm1) : norm1.forward(ctx, x, saved.norm1);
-  const Tensor attn_out = attn.forward(ctx, attn_in, batch, seq, saved.attn);
+  // SelfAttention::forward with its QKV projection done by norm1_qkv_. The block's input
+  // (x + branch when there is a branch) ends up in saved.norm1.x.
+  const Tensor fused = branch.defined() ? norm1_qkv_.forward_add(ctx, x, branch, saved.norm1, saved.attn.qkv_in)
+                                        : norm1_qkv_.forward(ctx, x, saved.norm1, saved.attn.qkv_in);
+  const Tensor core = attention_core_forward(ctx, attn_config_, fused, batch, seq, attn_config_.num_heads,
+                                             attn_config_.num_kv_heads, saved.attn);
+  const Tensor attn_out = attn.proj.forward(ctx, core, saved.attn.out_in);
   // x1 = input + attn_out comes out of norm2's fused add, kept in saved.norm2.x.
-  const Tensor mlp_in = norm2.forward_add(ctx, saved.norm1.x, attn_out, saved.norm2);
-  return {saved.norm2.x, moe ? moe->forward(ctx, mlp_in, saved.moe) : mlp.forward(ctx, mlp_in, saved.mlp)};
+  if (moe) {
+    const Tensor mlp_in = norm2.forward_add(ctx, saved.norm1.x, attn_out, saved.norm2);
+    return {saved.norm2.x, moe->forward(ctx, mlp_in, saved.moe)};
+  }
+  const Tensor mlp_out = norm2_mlp_.forward_add(ctx, saved.norm1.x, attn_out, saved.norm2, saved.mlp);
+  return {saved.norm2.x, mlp_out};
 }
 
 Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const {
@@ -64,9 +75,12 @@ Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, int64_t batch, i
 Tensor TransformerLayer::backward_input(Context& ctx, const Tensor& dy, Saved& saved) {
   // The residual passes dy straight through; each norm adds it to its own input gradient in
   // the same pass (the unfused form: d_x1 = dy + norm2'(...), d_x = d_x1 + norm1'(...)).
-  const Tensor d_ffn_in = moe ? moe->backward_input(ctx, dy, saved.moe) : mlp.backward_input(ctx, dy, saved.mlp);
-  saved.d_x1 = norm2.backward_input_add(ctx, d_ffn_in, dy, saved.norm2);
-  return norm1.backward_input_add(ctx, attn.backward_input(ctx, saved.d_x1, saved.attn), saved.d_x1, saved.norm1);
+  if (moe) saved.d_x1 = norm2.backward_input_add(ctx, moe->backward_input(ctx, dy, saved.moe), dy, saved.norm2);
+  else saved.d_x1 = norm2_mlp_.backward_input_add(ctx, dy, dy, saved.norm2, saved.mlp);
+  // SelfAttention::backward_input up to its QKV projection, which norm1_qkv_ takes with norm1.
+  const Tensor d_core = attn.proj.backward_input(ctx, saved.d_x1, saved.attn.out_in);
+  attention_core_backward(ctx, attn_config_, d_core, attn_config_.num_heads, attn_config_.num_kv_heads, saved.attn);
+  return norm1_qkv_.backward_input_add(ctx, saved.attn.d_qkv, saved.d_x1, saved.norm1, saved.attn.qkv_in);
 }
 
 void TransformerLayer::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {

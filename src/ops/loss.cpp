@@ -5,6 +5,7 @@
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/index_error.h"
 #include "backend/cuda/loss.h"
+#include "backend/cuda/loss_accumulate.h"
 #endif
 
 namespace tessera {
@@ -82,6 +83,32 @@ void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& ta
     cpu::cross_entropy_backward(logits.contiguous(), targets, lse, d_loss, packed, options);
     d_logits.copy_from(packed);
   }
+}
+
+void accumulate_weighted_loss(Context& ctx, const Tensor& chunk_losses, const std::vector<double>& weights,
+                              double divisor, Tensor& acc) {
+  const char* op = "accumulate_weighted_loss";
+  check_contiguous(chunk_losses, op, "chunk_losses");
+  TESSERA_CHECK(chunk_losses.dtype() == DType::F32 || chunk_losses.dtype() == DType::F64, op,
+                ": chunk_losses must be F32 or F64, got ", chunk_losses.describe());
+  check_shape(chunk_losses, {static_cast<int64_t>(weights.size())}, op, "chunk_losses");
+  check_contiguous(acc, op, "acc");
+  check_dtype(acc, DType::F64, op, "acc");
+  check_shape(acc, {1}, op, "acc");
+  TESSERA_CHECK(divisor > 0, op, ": divisor must be positive, got ", divisor);
+  check_on_device(ctx, op, {&chunk_losses, &acc});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::accumulate_weighted_loss_supported(chunk_losses, acc)) {
+      cuda::accumulate_weighted_loss(ctx.stream, chunk_losses, weights, divisor, acc);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  double total = 0;
+  for (size_t i = 0; i < weights.size(); ++i) total += chunk_losses.item(static_cast<int64_t>(i)) * weights[i];
+  acc.data<double>()[0] += total / divisor;
 }
 
 }  // namespace tessera

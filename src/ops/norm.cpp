@@ -3,9 +3,11 @@
 #include <cmath>
 
 #include "backend/cpu/norm.h"
+#include "backend/cpu/quantize.h"
 #include "dispatch.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/norm.h"
+#include "backend/cuda/norm_fp8.h"
 #endif
 
 namespace tessera {
@@ -91,6 +93,60 @@ void check_backward_add_aliasing(const Tensor& dx, const Tensor& dy, const Tenso
   check_same_or_disjoint(dx, dy, op, "dx", "dy");
   check_same_or_disjoint(dx, x, op, "dx", "x");
   check_same_or_disjoint(dx, d_residual_in, op, "dx", "d_residual_in");
+}
+
+// ---- FP8 output ----------------------------------------------------------------------------
+
+void check_scale(const Tensor& scale, const char* op) {
+  check_defined(scale, op, "scale");
+  check_contiguous(scale, op, "scale");
+  check_dtype(scale, DType::F32, op, "scale");
+  check_shape(scale, {1}, op, "scale");
+}
+
+void check_fp8_codes(const Tensor& q, const Tensor& x, const char* op, const char* name) {
+  check_contiguous(q, op, name);
+  check_dtype(q, DType::E4M3, op, name);
+  check_shape(q, x.shape(), op, name);
+  check_disjoint(q, x, op, name, "x");
+}
+
+// out against the norm's input x (and, for the add forms, the residual and sum, given as
+// `others`): q and y never overlap an input, amax never the scale (CUDA zeroes it first).
+void check_fp8_output(const Tensor& x, const Tensor& scale, const NormFp8Output& out, const char* op,
+                      std::initializer_list<const Tensor*> others = {}) {
+  if (out.q.defined()) {
+    check_fp8_codes(out.q, x, op, "out.q");
+    check_scale(scale, op);
+  } else {
+    TESSERA_CHECK(out.amax.defined(), op, ": without out.q (the statistics pass) out.amax must be given");
+  }
+  if (out.amax.defined()) {
+    check_contiguous(out.amax, op, "out.amax");
+    check_dtype(out.amax, DType::F32, op, "out.amax");
+    check_shape(out.amax, {1}, op, "out.amax");
+    check_disjoint(out.amax, scale, op, "out.amax", "scale");
+  }
+  if (out.y.defined()) {
+    check_like_x(out.y, x, op, "out.y");
+    check_dtype(out.y, x.dtype(), op, "out.y");
+    check_disjoint(out.y, x, op, "out.y", "x");
+  }
+  for (const Tensor* t : others) {
+    check_disjoint(out.q, *t, op, "out.q", "the residual or sum");
+    check_disjoint(out.y, *t, op, "out.y", "the residual or sum");
+  }
+}
+
+// The CPU reference's y: out.y, or a temporary when no copy is asked for.
+Tensor cpu_output(const Tensor& x, const NormFp8Output& out) {
+  return out.y.defined() ? out.y : Tensor::empty(x.shape(), x.dtype());
+}
+
+// The CPU reference's cast of y: quantize_per_tensor (with the amax), or only the amax.
+void cpu_cast(const Tensor& y, const Tensor& scale, NormFp8Output& out) {
+  if (out.q.defined()) cpu::quantize_per_tensor(y, scale, out.q, out.amax);
+  else cpu::amax(y, out.amax);
 }
 
 }  // namespace
@@ -284,6 +340,162 @@ void rmsnorm_backward_add(Context& ctx, const Tensor& dy, const Tensor& x, const
   }
   if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
   cpu::rmsnorm_backward_add(dy, x, gamma, rstd, d_residual_in, dx, dgamma);
+}
+
+void layernorm_forward_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                           const Tensor& scale, NormFp8Output& out, Tensor& mean, Tensor& rstd) {
+  const char* op = "layernorm_forward_fp8";
+  const int64_t cols = check_normalized_input(x, op, "x");
+  check_channel_vector(gamma, cols, op, "gamma");
+  if (beta.defined()) check_channel_vector(beta, cols, op, "beta");
+  check_row_stats(mean, x, op, "mean");
+  check_row_stats(rstd, x, op, "rstd");
+  check_eps(eps, op);
+  check_fp8_output(x, scale, out, op);
+  check_on_device(ctx, op, {&x, &gamma, &beta, &scale, &out.q, &out.amax, &out.y, &mean, &rstd});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::norm_fp8_supported(x, out.q, out.y, gamma, beta)) {
+      cuda::layernorm_forward_fp8(ctx.stream, x, gamma, beta, eps, scale, out.q, out.amax, out.y, mean, rstd);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  Tensor y = cpu_output(x, out);
+  cpu::layernorm_forward(x, gamma, beta, eps, y, mean, rstd);
+  cpu_cast(y, scale, out);
+}
+
+void rmsnorm_forward_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, float eps, const Tensor& scale,
+                         NormFp8Output& out, Tensor& rstd) {
+  const char* op = "rmsnorm_forward_fp8";
+  const int64_t cols = check_normalized_input(x, op, "x");
+  check_channel_vector(gamma, cols, op, "gamma");
+  check_row_stats(rstd, x, op, "rstd");
+  check_eps(eps, op);
+  check_fp8_output(x, scale, out, op);
+  check_on_device(ctx, op, {&x, &gamma, &scale, &out.q, &out.amax, &out.y, &rstd});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::norm_fp8_supported(x, out.q, out.y, gamma, Tensor())) {
+      cuda::rmsnorm_forward_fp8(ctx.stream, x, gamma, eps, scale, out.q, out.amax, out.y, rstd);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  Tensor y = cpu_output(x, out);
+  cpu::rmsnorm_forward(x, gamma, eps, y, rstd);
+  cpu_cast(y, scale, out);
+}
+
+namespace {
+// The add forms' own checks (the sum is x's dtype and may replace x or residual in place).
+void check_add_fp8_inputs(const Tensor& x, const Tensor& residual, const Tensor& sum_out, const Tensor& scale,
+                          const NormFp8Output& out, const char* op) {
+  check_normalized_input(x, op, "x");
+  check_like_x(residual, x, op, "residual");
+  check_like_x(sum_out, x, op, "sum_out");
+  check_dtype(sum_out, x.dtype(), op, "sum_out");
+  check_same_or_disjoint(sum_out, x, op, "sum_out", "x");
+  check_same_or_disjoint(sum_out, residual, op, "sum_out", "residual");
+  check_fp8_output(x, scale, out, op, {&residual, &sum_out});
+}
+}  // namespace
+
+void add_layernorm_forward_fp8(Context& ctx, const Tensor& x, const Tensor& residual, const Tensor& gamma,
+                               const Tensor& beta, float eps, const Tensor& scale, Tensor& sum_out,
+                               NormFp8Output& out, Tensor& mean, Tensor& rstd) {
+  const char* op = "add_layernorm_forward_fp8";
+  check_add_fp8_inputs(x, residual, sum_out, scale, out, op);
+  const int64_t cols = x.size(-1);
+  check_channel_vector(gamma, cols, op, "gamma");
+  if (beta.defined()) check_channel_vector(beta, cols, op, "beta");
+  check_row_stats(mean, x, op, "mean");
+  check_row_stats(rstd, x, op, "rstd");
+  check_eps(eps, op);
+  check_on_device(ctx, op,
+                  {&x, &residual, &gamma, &beta, &scale, &sum_out, &out.q, &out.amax, &out.y, &mean, &rstd});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::norm_fp8_supported(x, out.q, out.y, gamma, beta) && cuda::norm_supported({&residual, &sum_out}, {}, {})) {
+      cuda::add_layernorm_forward_fp8(ctx.stream, x, residual, gamma, beta, eps, scale, sum_out, out.q, out.amax,
+                                      out.y, mean, rstd);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  Tensor y = cpu_output(x, out);
+  cpu::add_layernorm_forward(x, residual, gamma, beta, eps, sum_out, y, mean, rstd);
+  cpu_cast(y, scale, out);
+}
+
+void add_rmsnorm_forward_fp8(Context& ctx, const Tensor& x, const Tensor& residual, const Tensor& gamma, float eps,
+                             const Tensor& scale, Tensor& sum_out, NormFp8Output& out, Tensor& rstd) {
+  const char* op = "add_rmsnorm_forward_fp8";
+  check_add_fp8_inputs(x, residual, sum_out, scale, out, op);
+  check_channel_vector(gamma, x.size(-1), op, "gamma");
+  check_row_stats(rstd, x, op, "rstd");
+  check_eps(eps, op);
+  check_on_device(ctx, op, {&x, &residual, &gamma, &scale, &sum_out, &out.q, &out.amax, &out.y, &rstd});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::norm_fp8_supported(x, out.q, out.y, gamma, Tensor()) &&
+        cuda::norm_supported({&residual, &sum_out}, {}, {})) {
+      cuda::add_rmsnorm_forward_fp8(ctx.stream, x, residual, gamma, eps, scale, sum_out, out.q, out.amax, out.y, rstd);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  Tensor y = cpu_output(x, out);
+  cpu::add_rmsnorm_forward(x, residual, gamma, eps, sum_out, y, rstd);
+  cpu_cast(y, scale, out);
+}
+
+namespace {
+// mean undefined: RMSNorm.
+void norm_apply_fp8(Context& ctx, const char* op, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                    const Tensor& mean, const Tensor& rstd, const Tensor& scale, Tensor& q) {
+  const int64_t cols = check_normalized_input(x, op, "x");
+  check_channel_vector(gamma, cols, op, "gamma");
+  if (beta.defined()) check_channel_vector(beta, cols, op, "beta");
+  if (mean.defined()) check_row_stats(mean, x, op, "mean");
+  check_row_stats(rstd, x, op, "rstd");
+  check_scale(scale, op);
+  check_fp8_codes(q, x, op, "q");
+  check_on_device(ctx, op, {&x, &gamma, &beta, &mean, &rstd, &scale, &q});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::norm_fp8_supported(x, q, Tensor(), gamma, beta)) {
+      cuda::norm_apply_fp8(ctx.stream, x, gamma, beta, mean, rstd, scale, q);
+      return;
+    }
+#endif
+    fail_no_kernel(op, ctx);
+  }
+  if (!ctx.device.is_cpu()) fail_no_kernel(op, ctx);
+  Tensor y = Tensor::empty(x.shape(), x.dtype()), no_amax;
+  cpu::norm_apply(x, gamma, beta, mean, rstd, y);
+  cpu::quantize_per_tensor(y, scale, q, no_amax);
+}
+}  // namespace
+
+void layernorm_apply_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean,
+                         const Tensor& rstd, const Tensor& scale, Tensor& q) {
+  check_defined(mean, "layernorm_apply_fp8", "mean");
+  norm_apply_fp8(ctx, "layernorm_apply_fp8", x, gamma, beta, mean, rstd, scale, q);
+}
+
+void rmsnorm_apply_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& scale,
+                       Tensor& q) {
+  norm_apply_fp8(ctx, "rmsnorm_apply_fp8", x, gamma, Tensor(), Tensor(), rstd, scale, q);
 }
 
 }  // namespace tessera

@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 namespace tessera {
@@ -143,12 +144,34 @@ void global_grad_norm(Context& ctx, const std::vector<Tensor>& grads, Tensor& no
   cpu::global_grad_norm(grads, norm_out);
 }
 
+std::array<double, kAdamWStepScalars> adamw_step_scalars(const AdamWOptions& options) {
+  check_adamw_options(options, "adamw_step_scalars");
+  // The CPU reference's expressions (backend/cpu/optimizer.cpp, T = float).
+  const double step = static_cast<double>(options.step);
+  const double bias_correction1 = 1.0 - std::pow(static_cast<double>(options.beta1), step);
+  const double bias_correction2 = 1.0 - std::pow(static_cast<double>(options.beta2), step);
+  const float step_size = static_cast<float>(static_cast<double>(options.lr) / bias_correction1);
+  const float bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  return {static_cast<double>(options.lr), step, static_cast<double>(step_size),
+          static_cast<double>(bias_correction2_sqrt)};
+}
+
 void adamw_step_multi(Context& ctx, std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                       std::vector<Tensor>& exp_avgs, std::vector<Tensor>& exp_avg_sqs,
-                      std::vector<Tensor>& bf16_values, const AdamWOptions& options,
+                      std::vector<Tensor>& bf16_values, const AdamWOptions& given_options,
                       const std::vector<float>& weight_decays, const Tensor& grad_norm, double max_norm,
-                      MultiTensorCache* cache) {
+                      MultiTensorCache* cache, const Tensor& step_scalars) {
   const char* op = "adamw_step_multi";
+  AdamWOptions options = given_options;
+  if (step_scalars.defined()) {
+    // lr and step come from step_scalars: options' own are placeholders, checked no further.
+    check_contiguous(step_scalars, op, "step_scalars");
+    check_dtype(step_scalars, DType::F64, op, "step_scalars");
+    check_shape(step_scalars, {kAdamWStepScalars}, op, "step_scalars");
+    check_on_device(ctx, op, {&step_scalars});
+    options.lr = 0.0f;
+    options.step = 1;
+  }
   const size_t n = params.size();
   TESSERA_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && weight_decays.size() == n,
                 op, ": params, grads, exp_avgs, exp_avg_sqs and weight_decays must have one entry per tensor, got ",
@@ -168,6 +191,7 @@ void adamw_step_multi(Context& ctx, std::vector<Tensor>& params, const std::vect
   }
   std::vector<ByteRange> ranges;
   add_range(ranges, grad_norm, false);
+  add_range(ranges, step_scalars, false);
   for (size_t t = 0; t < n; ++t) {
     const std::string what = tensor_label(t);
     check_adamw_tensors(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], op, what);
@@ -193,11 +217,19 @@ void adamw_step_multi(Context& ctx, std::vector<Tensor>& params, const std::vect
     if (cuda::adamw_step_multi_supported(params, grads, grad_norm)) {
       MultiTensorCache local;
       cuda::adamw_step_multi(ctx.stream, params, grads, exp_avgs, exp_avg_sqs, bf16_values, options, weight_decays,
-                             grad_norm, max_norm, cache ? *cache : local);
+                             grad_norm, max_norm, cache ? *cache : local, step_scalars);
       return;
     }
 #endif
     fail_no_kernel(op, ctx);
+  }
+  if (step_scalars.defined()) {
+    // On the CPU the scalars are in host memory: the reference takes lr and step from them
+    // and recomputes the rest with the same expressions.
+    const double* s = step_scalars.data<double>();
+    options.lr = static_cast<float>(s[0]);
+    options.step = static_cast<int64_t>(s[1]);
+    check_adamw_options(options, op);
   }
   cpu::adamw_step_multi(params, grads, exp_avgs, exp_avg_sqs, bf16_values, options, weight_decays, grad_norm,
                         max_norm);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -11,7 +12,9 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 
+#include "tessera/core/stream.h"
 #include "tessera/io/atomic_file.h"
 #include "tessera/ops/elementwise.h"
 #if TESSERA_WITH_CUDA
@@ -156,9 +159,10 @@ size_t CheckpointSnapshot::bytes() const {
   return total;
 }
 
-CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const Optimizer* optimizer,
-                                           const CheckpointState& state) {
+CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const OptimizerBase* optimizer,
+                                           const CheckpointState& state, const CheckpointWriters& writers) {
   CheckpointSnapshot s;
+  s.writers = writers;
   s.step = state.step;
   s.data_position = state.data_position;
   s.config = state.config;
@@ -171,6 +175,7 @@ CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const O
   if (optimizer) {
     s.has_optimizer = true;
     s.optimizer_step = optimizer->steps_taken();
+    s.optimizer_layout = optimizer->state_layout();
     const auto state = optimizer->state();  // handles sharing the optimizer's tensors
     std::vector<std::pair<std::string, const Tensor*>> moments;
     for (const auto& [name, t] : state) moments.emplace_back(name, &t);
@@ -179,7 +184,7 @@ CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const O
   return s;
 }
 
-void restore_snapshot(const CheckpointSnapshot& s, models::TransformerLM& model, Optimizer* optimizer) {
+void restore_snapshot(const CheckpointSnapshot& s, models::TransformerLM& model, OptimizerBase* optimizer) {
   const auto params = model.parameters();
   TESSERA_CHECK(params.size() == s.params.size(), "restore_snapshot: the snapshot has ", s.params.size(),
                 " parameters, the model ", params.size());
@@ -188,11 +193,14 @@ void restore_snapshot(const CheckpointSnapshot& s, models::TransformerLM& model,
     TESSERA_CHECK(p->name == s.params[i].first, "restore_snapshot: parameter ", i, " is '", p->name,
                   "' in the model, '", s.params[i].first, "' in the snapshot");
     p->weights().copy_from(s.params[i].second);
-    Context ctx{p->weights().device()};
+    Context ctx = context_on(p->weights().device());  // the thread's current stream there
     p->refresh_value(ctx);
   }
   if (optimizer) {
     TESSERA_CHECK(s.has_optimizer, "restore_snapshot: the snapshot has no optimizer state");
+    TESSERA_CHECK(s.optimizer_layout == optimizer->state_layout(), "restore_snapshot: the snapshot's optimizer state ",
+                  "is laid out for another optimizer (", s.optimizer_layout.dump(), " vs ",
+                  optimizer->state_layout().dump(), ")");
     optimizer->load_state(s.optimizer, s.optimizer_step);
   }
 }
@@ -242,35 +250,136 @@ void apply_retention(const fs::path& root, int64_t written_step, const Retention
 
 }  // namespace
 
+namespace {
+
+// The file a data-parallel rank's ZeRO-1 shard goes to.
+std::string zero1_file_name(int64_t rank, int64_t size) {
+  char name[80];
+  std::snprintf(name, sizeof(name), "optimizer-zero1-%05lld-of-%05lld.safetensors", static_cast<long long>(rank),
+                static_cast<long long>(size));
+  return name;
+}
+
+std::string part_file_name(int rank) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "part-%05d.json", rank);
+  return name;
+}
+
+// What state.json records of a shard layout: the layout of all shards, not this rank's range.
+nlohmann::json all_shards(const nlohmann::json& layout) {
+  if (layout.is_null()) return nullptr;
+  nlohmann::json out = layout;
+  for (const char* key : {"rank", "begin", "end"}) out.erase(key);
+  return out;
+}
+
+// Rank 0 of a multi-rank save: the other ranks' file lists, once every part-RRRRR.json is
+// there (the ranks write them last, atomically). Removes the part files.
+nlohmann::json collect_parts(const fs::path& dir, int ranks, double timeout_s, int64_t step) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<bool> seen(static_cast<size_t>(ranks), false);
+  seen[0] = true;
+  nlohmann::json files = nlohmann::json::object();
+  auto sleep_ms = 5;
+  for (;;) {
+    std::string missing;
+    for (int r = 1; r < ranks; ++r) {
+      if (seen[static_cast<size_t>(r)]) continue;
+      const fs::path part = dir / part_file_name(r);
+      std::error_code ec;
+      if (!fs::exists(part, ec)) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        continue;
+      }
+      const nlohmann::json j = nlohmann::json::parse(io::read_file(part.string()), nullptr, false);
+      TESSERA_CHECK(j.is_object() && j.contains("files") && j["files"].is_object(), "checkpoint: ", part.string(),
+                    " is not a rank's file list");
+      for (const auto& [name, entry] : j["files"].items()) {
+        TESSERA_CHECK(!files.contains(name), "checkpoint: two ranks wrote ", name, " into ", dir.string());
+        files[name] = entry;
+      }
+      seen[static_cast<size_t>(r)] = true;
+    }
+    if (missing.empty()) break;
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    TESSERA_CHECK(timeout_s <= 0 || waited < timeout_s, "checkpoint: step ", step, ": rank(s) ", missing,
+                  " did not finish writing their part of ", dir.string(), " within ", timeout_s,
+                  " s (training.parallel.timeout_s); the checkpoint is incomplete and was not published");
+    std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+    sleep_ms = std::min(sleep_ms * 2, 200);
+  }
+  std::error_code ec;
+  for (int r = 1; r < ranks; ++r) fs::remove(dir / part_file_name(r), ec);
+  return files;
+}
+
+}  // namespace
+
+void begin_checkpoint(const std::string& out_dir, int64_t step) {
+  const fs::path tmp_dir = fs::path(out_dir) / "checkpoints" / (step_name(step) + ".tmp");
+  std::error_code ec;
+  fs::remove_all(tmp_dir, ec);
+  fs::create_directories(tmp_dir);
+}
+
 std::string write_checkpoint(const std::string& out_dir, const CheckpointSnapshot& s, const Retention& retention) {
   const fs::path root = fs::path(out_dir) / "checkpoints";
   const fs::path final_dir = root / step_name(s.step);
   const fs::path tmp_dir = root / (step_name(s.step) + ".tmp");
+  const bool several = s.writers.ranks > 1, lead = s.writers.rank == 0;
   std::error_code ec;
-  fs::remove_all(tmp_dir, ec);
-  fs::create_directories(tmp_dir);
+  if (several) {
+    TESSERA_CHECK(fs::is_directory(tmp_dir, ec), "checkpoint: ", tmp_dir.string(), " does not exist (rank 0 prepares it ",
+                  "with begin_checkpoint before the ranks write)");
+  } else {
+    fs::remove_all(tmp_dir, ec);
+    fs::create_directories(tmp_dir);
+  }
 
   nlohmann::json files = nlohmann::json::object();
-  auto put = [&](const char* name, const std::string& bytes) {
+  auto put = [&](const std::string& name, const std::string& bytes) {
     io::write_file_atomically((tmp_dir / name).string(), bytes);
     files[name] = {{"bytes", bytes.size()}, {"crc32", hex32(crc32_bytes(bytes.data(), bytes.size()))}};
   };
-  put("model.safetensors",
-      io::serialize_safetensors(s.params, {{"format", "tessera"}, {"model_config", s.model_config.dump()}}));
-  if (s.has_optimizer) put("optimizer.safetensors", io::serialize_safetensors(s.optimizer));
+  if (lead)
+    put("model.safetensors",
+        io::serialize_safetensors(s.params, {{"format", "tessera"}, {"model_config", s.model_config.dump()}}));
+  if (s.has_optimizer && s.optimizer_layout.is_null()) {
+    if (lead) put("optimizer.safetensors", io::serialize_safetensors(s.optimizer));  // the same on every rank
+  } else if (s.has_optimizer) {
+    const nlohmann::json& l = s.optimizer_layout;
+    put(zero1_file_name(l.at("rank").get<int64_t>(), l.at("size").get<int64_t>()),
+        io::serialize_safetensors(s.optimizer, {{"format", "tessera-optimizer-shard"}, {"layout", l.dump()}}));
+  }
+  if (several && !lead) {
+    // Last: rank 0 takes a part file as the sign that this rank's files are complete.
+    io::write_file_atomically((tmp_dir / part_file_name(s.writers.rank)).string(),
+                              nlohmann::json{{"rank", s.writers.rank}, {"files", files}}.dump());
+    return final_dir.string();
+  }
   nlohmann::json state = {{"step", s.step},
                           {"optimizer_step", s.optimizer_step},
                           {"data_position", s.data_position},
                           {"config", s.config},
                           {"model_config", s.model_config}};
   if (!s.extra.is_null()) state["trainer"] = s.extra;
+  if (!s.optimizer_layout.is_null()) state["optimizer_layout"] = all_shards(s.optimizer_layout);
   put("state.json", state.dump(2));
+  if (several) {
+    const nlohmann::json others = collect_parts(tmp_dir, s.writers.ranks, s.writers.timeout_s, s.step);
+    for (const auto& [name, entry] : others.items()) {
+      TESSERA_CHECK(!files.contains(name), "checkpoint: two ranks wrote ", name, " into ", tmp_dir.string());
+      files[name] = entry;
+    }
+  }
   const std::string config_text = s.config.dump();
-  const nlohmann::json manifest = {{"format", kManifestFormat},
-                                   {"version", kManifestVersion},
-                                   {"step", s.step},
-                                   {"config_hash", "crc32:" + hex32(crc32_bytes(config_text.data(), config_text.size()))},
-                                   {"files", files}};
+  nlohmann::json manifest = {{"format", kManifestFormat},
+                             {"version", kManifestVersion},
+                             {"step", s.step},
+                             {"config_hash", "crc32:" + hex32(crc32_bytes(config_text.data(), config_text.size()))},
+                             {"files", files}};
+  if (several) manifest["ranks"] = s.writers.ranks;
   // Last: a directory with a manifest is complete.
   io::write_file_atomically((tmp_dir / kManifest).string(), manifest.dump(2));
 
@@ -291,7 +400,7 @@ std::string write_checkpoint(const std::string& out_dir, const CheckpointSnapsho
   return final_dir.string();
 }
 
-std::string save_checkpoint(const std::string& out_dir, models::TransformerLM& model, const Optimizer* optimizer,
+std::string save_checkpoint(const std::string& out_dir, models::TransformerLM& model, const OptimizerBase* optimizer,
                             const CheckpointState& state, const Retention& retention) {
   return write_checkpoint(out_dir, snapshot_training_state(model, optimizer, state), retention);
 }
@@ -372,9 +481,122 @@ models::ModelConfig checkpoint_model_config(const std::string& dir) {
   return models::ModelConfig::from_json(state.at("model_config"));
 }
 
-CheckpointState load_checkpoint(const std::string& dir, models::TransformerLM& model, Optimizer* optimizer) {
+namespace {
+
+// The moments of the flat range [begin, end) of `params` laid end to end (list order), from
+// whatever layout the checkpoint holds them in: per parameter (optimizer.safetensors) or
+// ZeRO-1 shards of any data-parallel size. Into exp_avg / exp_avg_sq ([end - begin]).
+void read_moments(const std::string& dir, const nlohmann::json& saved_layout, const nn::ParameterList& params,
+                  int64_t begin, int64_t end, Tensor& exp_avg, Tensor& exp_avg_sq) {
+  Context cpu = Context::cpu();
+  // Copies src (1-D, any float dtype) [src_begin, src_begin + n) into dst [dst_begin, ...).
+  auto copy_part = [&](const Tensor& src, int64_t src_begin, Tensor& dst, int64_t dst_begin, int64_t n) {
+    Tensor part = src.contiguous().reshape({src.numel()}).slice(0, src_begin, src_begin + n).contiguous();
+    Tensor slot = dst.slice(0, dst_begin, dst_begin + n);
+    if (part.dtype() == slot.dtype()) {
+      slot.copy_from(part);
+    } else {
+      Tensor converted = Tensor::empty({n}, slot.dtype());
+      cast(cpu, part, converted);
+      slot.copy_from(converted);
+    }
+  };
+  int64_t total = 0;
+  for (const nn::Parameter* p : params) total += p->numel();
+  if (saved_layout.is_null()) {
+    const std::string path = (fs::path(dir) / "optimizer.safetensors").string();
+    TESSERA_CHECK(fs::exists(path), "checkpoint: ", dir, " has no optimizer state (optimizer.safetensors)");
+    const io::SafetensorsFile file(path);
+    int64_t offset = 0;
+    for (const nn::Parameter* p : params) {
+      const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + p->numel());
+      if (lo < hi) {
+        for (auto [suffix, out] : {std::pair<const char*, Tensor*>{".exp_avg", &exp_avg}, {".exp_avg_sq", &exp_avg_sq}}) {
+          const std::string name = p->name + suffix;
+          TESSERA_CHECK(file.contains(name), "optimizer state: missing tensor '", name, "'");
+          const Tensor t = file.get(name);
+          TESSERA_CHECK(t.numel() == p->numel(), "optimizer state: '", name, "' has ", t.numel(), " elements, the model's ",
+                        p->name, " ", p->numel());
+          copy_part(t, lo - offset, *out, lo - begin, hi - lo);
+        }
+      }
+      offset += p->numel();
+    }
+    return;
+  }
+  TESSERA_CHECK(saved_layout.value("kind", "") == "zero1", "checkpoint: ", dir, " has optimizer state of an unknown layout ",
+                saved_layout.dump());
+  const int64_t saved_total = saved_layout.at("total").get<int64_t>(), size = saved_layout.at("size").get<int64_t>();
+  TESSERA_CHECK(saved_total == total, "checkpoint: the optimizer shards in ", dir, " cover ", saved_total,
+                " elements, the model has ", total);
+  nlohmann::json names = nlohmann::json::array();
+  for (const nn::Parameter* p : params) names.push_back({p->name, p->numel()});
+  TESSERA_CHECK(saved_layout.at("parameters") == names, "checkpoint: the optimizer shards in ", dir,
+                " were laid out for another parameter list (names or sizes differ from the model's)");
+  TESSERA_CHECK(size >= 1, "checkpoint: bad shard count in ", dir);
+  const int64_t shard = (total + size - 1) / size;
+  for (int64_t r = 0; r < size; ++r) {
+    const int64_t first = r * shard, last = std::min(total, (r + 1) * shard);
+    const int64_t lo = std::max(begin, first), hi = std::min(end, last);
+    if (lo >= hi) continue;
+    const std::string path = (fs::path(dir) / zero1_file_name(r, size)).string();
+    TESSERA_CHECK(fs::exists(path), "checkpoint: ", dir, " lacks the optimizer shard of data rank ", r, " (",
+                  zero1_file_name(r, size), ")");
+    const io::SafetensorsFile file(path);
+    for (auto [name, out] : {std::pair<const char*, Tensor*>{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}}) {
+      TESSERA_CHECK(file.contains(name), "checkpoint: ", path, " has no tensor '", name, "'");
+      const Tensor t = file.get(name);
+      TESSERA_CHECK(t.numel() == last - first, "checkpoint: ", path, ": '", name, "' has ", t.numel(),
+                    " elements, its range [", first, ", ", last, ") needs ", last - first);
+      copy_part(t, lo - first, *out, lo - begin, hi - lo);
+    }
+  }
+}
+
+// Loads the checkpoint's optimizer state into `optimizer`, re-split for its layout.
+void load_optimizer_state(const std::string& dir, const nlohmann::json& state, models::TransformerLM& model,
+                          OptimizerBase& optimizer) {
+  const int64_t step = state.value("optimizer_step", int64_t(0));
+  const nlohmann::json saved = state.value("optimizer_layout", nlohmann::json());
+  const nlohmann::json want = optimizer.state_layout();
+  if (saved.is_null() && want.is_null()) {
+    const std::string opt_path = (fs::path(dir) / "optimizer.safetensors").string();
+    TESSERA_CHECK(fs::exists(opt_path), "checkpoint: ", dir, " has no optimizer state (optimizer.safetensors)");
+    const io::SafetensorsFile opt(opt_path);
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (const std::string& name : opt.names()) tensors.emplace_back(name, opt.get(name));
+    optimizer.load_state(tensors, step);
+    return;
+  }
+  const nn::ParameterList params = model.parameters();
+  int64_t total = 0;
+  for (const nn::Parameter* p : params) total += p->numel();
+  const int64_t begin = want.is_null() ? 0 : want.at("begin").get<int64_t>();
+  const int64_t end = want.is_null() ? total : want.at("end").get<int64_t>();
+  const DType dtype = params.empty() ? DType::F32 : params[0]->weights().dtype();
+  Tensor exp_avg = Tensor::zeros({end - begin}, dtype), exp_avg_sq = Tensor::zeros({end - begin}, dtype);
+  read_moments(dir, saved, params, begin, end, exp_avg, exp_avg_sq);
+  if (!want.is_null()) {
+    optimizer.load_state({{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}}, step);
+    return;
+  }
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  int64_t offset = 0;
+  for (const nn::Parameter* p : params) {
+    const Shape& shape = p->weights().shape();
+    tensors.emplace_back(p->name + ".exp_avg", exp_avg.slice(0, offset, offset + p->numel()).reshape(shape));
+    tensors.emplace_back(p->name + ".exp_avg_sq", exp_avg_sq.slice(0, offset, offset + p->numel()).reshape(shape));
+    offset += p->numel();
+  }
+  optimizer.load_state(tensors, step);
+}
+
+}  // namespace
+
+CheckpointState load_checkpoint(const std::string& dir, models::TransformerLM& model, OptimizerBase* optimizer,
+                                bool verify) {
   if (fs::exists(fs::path(dir) / kManifest) || !fs::exists(fs::path(dir) / "state.json")) {
-    verify_checkpoint(dir);
+    if (verify) verify_checkpoint(dir);
   } else {
     // Named explicitly and written before checkpoints had manifests: the safetensors reader
     // still validates the structure, but nothing can check the bytes.
@@ -399,7 +621,7 @@ CheckpointState load_checkpoint(const std::string& dir, models::TransformerLM& m
       loaded = converted;
     }
     weights.copy_from(loaded.to(weights.device()));
-    Context ctx{weights.device()};
+    Context ctx = context_on(weights.device());  // the thread's current stream there
     p->refresh_value(ctx);
   }
   CheckpointState out;
@@ -407,14 +629,7 @@ CheckpointState load_checkpoint(const std::string& dir, models::TransformerLM& m
   out.data_position = state.value("data_position", nlohmann::json());
   out.config = state.value("config", nlohmann::json());
   out.extra = state.value("trainer", nlohmann::json());
-  if (optimizer) {
-    const std::string opt_path = (fs::path(dir) / "optimizer.safetensors").string();
-    TESSERA_CHECK(fs::exists(opt_path), "checkpoint: ", dir, " has no optimizer state (optimizer.safetensors)");
-    const io::SafetensorsFile opt(opt_path);
-    std::vector<std::pair<std::string, Tensor>> tensors;
-    for (const std::string& name : opt.names()) tensors.emplace_back(name, opt.get(name));
-    optimizer->load_state(tensors, state.value("optimizer_step", int64_t(0)));
-  }
+  if (optimizer) load_optimizer_state(dir, state, model, *optimizer);
   return out;
 }
 

@@ -207,13 +207,23 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
   if (j.contains("training")) {
     const auto& t = j.at("training");
     check_keys(t, "training", {"steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches",
-                               "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "precision", "attention_backend", "max_minutes",
+                               "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "precision", "attention_backend", "cuda_graph", "max_minutes",
                                "sample_prompt", "sample_tokens", "init_from", "checkpoint_keep_last", "checkpoint_keep_every",
-                               "async_checkpoint", "skip_data_at_steps", "rewind", "fault_injection"});
+                               "async_checkpoint", "skip_data_at_steps", "rewind", "fault_injection", "global_batch_size",
+                               "parallel"});
     read(t, "training.", "steps", c.training.steps);
     read(t, "training.", "batch_size", c.training.batch_size);
     read(t, "training.", "seq_len", c.training.seq_len);
     read(t, "training.", "grad_accum", c.training.grad_accum);
+    read(t, "training.", "global_batch_size", c.training.global_batch_size);
+    if (t.contains("parallel") && !t.at("parallel").is_null()) {
+      try {
+        c.training.parallel = dist::ParallelConfig::from_json(t.at("parallel"));
+      } catch (const Error& e) {
+        const std::string what = e.what();  // without its " [file:line]", which this error adds again
+        TESSERA_FAIL("config: training.", what.substr(0, what.rfind(" [")));
+      }
+    }
     read(t, "training.", "eval_interval", c.training.eval_interval);
     read(t, "training.", "eval_batches", c.training.eval_batches);
     read(t, "training.", "checkpoint_interval", c.training.checkpoint_interval);
@@ -223,6 +233,10 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     read(t, "training.", "device", c.training.device);
     read(t, "training.", "precision", c.training.precision);
     read(t, "training.", "attention_backend", c.training.attention_backend);
+    if (t.contains("cuda_graph") && t.at("cuda_graph").is_boolean())  // `cuda_graph: true` reads as on
+      c.training.cuda_graph = t.at("cuda_graph").get<bool>() ? "on" : "off";
+    else
+      read(t, "training.", "cuda_graph", c.training.cuda_graph);
     read(t, "training.", "max_minutes", c.training.max_minutes);
     read(t, "training.", "sample_prompt", c.training.sample_prompt);
     read(t, "training.", "init_from", c.training.init_from);
@@ -250,10 +264,21 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     }
     if (t.contains("fault_injection") && !t.at("fault_injection").is_null()) {
       const auto& f = t.at("fault_injection");
-      check_keys(f, "training.fault_injection", {"nan_grad_at_step", "loss_spike_at_step", "nan_grad_from_step"});
+      check_keys(f, "training.fault_injection", {"nan_grad_at_step", "loss_spike_at_step", "nan_grad_from_step", "rank_fault"});
       read_steps(f, "training.fault_injection.", "nan_grad_at_step", c.training.fault_injection.nan_grad_at_step);
       read_steps(f, "training.fault_injection.", "loss_spike_at_step", c.training.fault_injection.loss_spike_at_step);
       read(f, "training.fault_injection.", "nan_grad_from_step", c.training.fault_injection.nan_grad_from_step);
+      if (f.contains("rank_fault") && !f.at("rank_fault").is_null()) {
+        const auto& r = f.at("rank_fault");
+        check_keys(r, "training.fault_injection.rank_fault", {"rank", "step", "kind"});
+        FaultInjectionConfig& fi = c.training.fault_injection;
+        read(r, "training.fault_injection.rank_fault.", "rank", fi.fault_rank);
+        read(r, "training.fault_injection.rank_fault.", "step", fi.fault_step);
+        read(r, "training.fault_injection.rank_fault.", "kind", fi.fault_kind);
+        TESSERA_CHECK(fi.fault_rank >= 0 && fi.fault_step > 0 &&
+                          (fi.fault_kind == "exit" || fi.fault_kind == "kill" || fi.fault_kind == "hang"),
+                      "config: training.fault_injection.rank_fault needs rank >= 0, step > 0 and kind exit, kill or hang");
+      }
     }
   }
   // Values that parse but make no sense.
@@ -263,6 +288,8 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
   TESSERA_CHECK(t.seq_len > 0 && t.seq_len <= c.model.max_seq_len, "config: training.seq_len must be in [1, model.max_seq_len = ",
                 c.model.max_seq_len, "], got ", t.seq_len);
   TESSERA_CHECK(t.grad_accum > 0, "config: training.grad_accum must be positive, got ", t.grad_accum);
+  TESSERA_CHECK(t.global_batch_size >= 0, "config: training.global_batch_size must be >= 0 (0: batch_size x grad_accum x ",
+                "data ranks), got ", t.global_batch_size);
   TESSERA_CHECK(t.eval_interval >= 0 && t.eval_batches > 0, "config: training.eval_interval must be >= 0 and training.eval_batches > 0");
   TESSERA_CHECK(t.device == "auto" || t.device == "cpu" || t.device == "cuda", "config: training.device must be auto, cpu or cuda, got \"",
                 t.device, "\"");
@@ -270,6 +297,8 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
                 "config: training.precision must be auto, fp32 or bf16, got \"", t.precision, "\"");
   TESSERA_CHECK(t.attention_backend == "auto" || t.attention_backend == "tessera" || t.attention_backend == "cudnn",
                 "config: training.attention_backend must be auto, tessera or cudnn, got \"", t.attention_backend, "\"");
+  TESSERA_CHECK(t.cuda_graph == "auto" || t.cuda_graph == "on" || t.cuda_graph == "off",
+                "config: training.cuda_graph must be auto, on or off, got \"", t.cuda_graph, "\"");
   TESSERA_CHECK(t.checkpoint_interval >= 0 && t.checkpoint_keep_last >= 0 && t.checkpoint_keep_every >= 0,
                 "config: training.checkpoint_interval, checkpoint_keep_last and checkpoint_keep_every must be >= 0");
   const RewindConfig& rw = t.rewind;
@@ -299,11 +328,13 @@ nlohmann::json RunConfig::to_json() const {
                          {"beta1", optimizer.beta1}, {"beta2", optimizer.beta2}, {"eps", optimizer.eps},
                          {"weight_decay", optimizer.weight_decay}, {"grad_clip", optimizer.grad_clip}}},
           {"training", {{"steps", training.steps}, {"batch_size", training.batch_size}, {"seq_len", training.seq_len},
-                        {"grad_accum", training.grad_accum}, {"eval_interval", training.eval_interval},
+                        {"grad_accum", training.grad_accum}, {"global_batch_size", training.global_batch_size},
+                        {"parallel", training.parallel.to_json()}, {"eval_interval", training.eval_interval},
                         {"eval_batches", training.eval_batches}, {"checkpoint_interval", training.checkpoint_interval},
                         {"log_interval", training.log_interval}, {"seed", training.seed}, {"out_dir", training.out_dir},
                         {"device", training.device}, {"precision", training.precision},
-                        {"attention_backend", training.attention_backend}, {"max_minutes", training.max_minutes},
+                        {"attention_backend", training.attention_backend}, {"cuda_graph", training.cuda_graph},
+                        {"max_minutes", training.max_minutes},
                         {"init_from", training.init_from}, {"sample_prompt", training.sample_prompt}, {"sample_tokens", training.sample_tokens},
                         {"checkpoint_keep_last", training.checkpoint_keep_last},
                         {"checkpoint_keep_every", training.checkpoint_keep_every},
@@ -317,7 +348,12 @@ nlohmann::json RunConfig::to_json() const {
                                     {"max_rewinds_window", training.rewind.max_rewinds_window}}},
                         {"fault_injection", {{"nan_grad_at_step", training.fault_injection.nan_grad_at_step},
                                              {"loss_spike_at_step", training.fault_injection.loss_spike_at_step},
-                                             {"nan_grad_from_step", training.fault_injection.nan_grad_from_step}}}}}};
+                                             {"nan_grad_from_step", training.fault_injection.nan_grad_from_step},
+                                             {"rank_fault", training.fault_injection.fault_rank < 0
+                                                                ? nlohmann::json(nullptr)
+                                                                : nlohmann::json{{"rank", training.fault_injection.fault_rank},
+                                                                                 {"step", training.fault_injection.fault_step},
+                                                                                 {"kind", training.fault_injection.fault_kind}}}}}}}};
   if (fp8) out["fp8"] = fp8->to_json();
   return out;
 }

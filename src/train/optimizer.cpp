@@ -27,6 +27,39 @@ Optimizer::Optimizer(nn::ParameterList parameters, const OptimizerConfig& config
 }
 
 double Optimizer::step(Context& ctx, double lr) {
+  queue(ctx, options_for(lr, step_ + 1), Tensor());
+  step_ += 1;
+  // The one host wait of the step: everything above is queued by now.
+  synchronize(ctx);
+  return norm_.to(Device::cpu()).item(0);
+}
+
+AdamWOptions Optimizer::options_for(double lr, int64_t step) const {
+  return AdamWOptions{.lr = float(lr), .beta1 = float(config_.beta1), .beta2 = float(config_.beta2),
+                      .eps = float(config_.eps), .weight_decay = 0.0f, .step = step};
+}
+
+std::array<double, kAdamWStepScalars> Optimizer::step_scalars_for(double lr) const {
+  return adamw_step_scalars(options_for(lr, step_ + 1));
+}
+
+void Optimizer::queue_step(Context& ctx, const Tensor& step_scalars) {
+  TESSERA_CHECK(step_scalars.defined(), "Optimizer::queue_step: step_scalars is undefined");
+  // lr and step are placeholders: the kernels read step_scalars.
+  queue(ctx, options_for(0.0, 1), step_scalars);
+}
+
+std::vector<Tensor> Optimizer::step_buffers() const {
+  std::vector<Tensor> out;
+  for (const Tensor* t : {&norm_, &norm_cache_.device_table, &norm_cache_.scratch, &adamw_cache_.device_table,
+                          &adamw_cache_.scratch})
+    if (t->defined()) out.push_back(*t);
+  return out;
+}
+
+void Optimizer::reset_device_tables() { norm_cache_ = adamw_cache_ = MultiTensorCache(); }
+
+void Optimizer::queue(Context& ctx, const AdamWOptions& options, const Tensor& step_scalars) {
   // The norm stays F64 so that the clip factor is computed from the very double the
   // earlier per-parameter path computed on the host (the same bits on the CPU).
   if (!norm_.defined() || norm_.device() != ctx.device) norm_ = Tensor::zeros({1}, DType::F64, ctx.device);
@@ -39,16 +72,10 @@ double Optimizer::step(Context& ctx, double lr) {
     weight_decays.push_back(p->weight_decay ? float(config_.weight_decay) : 0.0f);
   }
   global_grad_norm(ctx, grads, norm_, &norm_cache_);
-  step_ += 1;
   // Clipping scales the gradient, not lr and eps: Adam is scale invariant except for eps,
   // so scaling those would be another update.
-  const AdamWOptions options{.lr = float(lr), .beta1 = float(config_.beta1), .beta2 = float(config_.beta2),
-                             .eps = float(config_.eps), .weight_decay = 0.0f, .step = step_};
   adamw_step_multi(ctx, weights, grads, exp_avg_, exp_avg_sq_, values, options, weight_decays, norm_,
-                   config_.grad_clip > 0 ? config_.grad_clip : 0.0, &adamw_cache_);
-  // The one host wait of the step: everything above is queued by now.
-  synchronize(ctx);
-  return norm_.to(Device::cpu()).item(0);
+                   config_.grad_clip > 0 ? config_.grad_clip : 0.0, &adamw_cache_, step_scalars);
 }
 
 std::vector<std::pair<std::string, Tensor>> Optimizer::state() const {

@@ -14,6 +14,7 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/core/numeric.h"
+#include "tessera/core/stream.h"
 #include "tessera/data/loader.h"
 #include "tessera/data/token_file.h"
 #include "tessera/infer/generate.h"
@@ -25,6 +26,8 @@
 #include "tessera/train/checkpoint.h"
 #include "tessera/train/optimizer.h"
 #include "train/async_checkpoint.h"
+#include "train/cuda_graph_step.h"
+#include "train/distributed.h"
 #include "train/rewind.h"
 
 namespace fs = std::filesystem;
@@ -173,14 +176,29 @@ std::string format_duration(double seconds) {
 
 }  // namespace
 
-TrainResult train(const RunConfig& c, const TrainOptions& options) {
+TrainResult train(const RunConfig& config, const TrainOptions& options) {
+  // The ranks of the run (one without a launcher; collective: the ranks' configs are
+  // compared) and this rank's device. `c` is the config this rank runs: grad_accum follows
+  // from training.global_batch_size when that is set.
+  detail::DistributedRun dist_run(config, pick_device(config.training.device), options.world,
+                                  {{"resume", options.resume}, {"resume_from", options.resume_from},
+                                   {"stop_after", options.stop_after}});
+  const RunConfig c = dist_run.resolve(config);
   const TrainingConfig& t = c.training;
-  Context ctx = pick_device(t.device);
+  Context ctx = dist_run.device_context();
+  const bool main_rank = dist_run.is_main();
+  const bool quiet = options.quiet || !main_rank;  // only rank 0 prints
+  const int64_t data_size = dist_run.data_size(), data_rank = dist_run.data_rank();
+  // On CUDA the run queues everything, ops and Tensor copies alike, on one stream of its own
+  // (the legacy default stream cannot be captured into a CUDA graph).
+  const Stream stream = Stream::create(ctx.device);
+  ctx.stream = stream.get();
+  const StreamGuard stream_guard(ctx);
   fs::create_directories(t.out_dir);
   const auto tokenizer = make_tokenizer(c.data);
   TESSERA_CHECK(tokenizer->vocab_size() <= c.model.vocab_size, "config: model.vocab_size (", c.model.vocab_size,
                 ") is smaller than the tokenizer's vocabulary (", tokenizer->vocab_size(), ")");
-  const data::TokenFile tokens = open_tokens(c, *tokenizer);
+  const data::TokenFile tokens = dist_run.main_first([&] { return open_tokens(c, *tokenizer); });  // one writes the cache
 
   data::LoaderOptions train_opts{.batch_size = t.batch_size, .seq_len = t.seq_len, .split = data::Split::Train,
                                  .val_fraction = c.data.validation_fraction, .seed = t.seed, .shuffle = true,
@@ -197,10 +215,14 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   const DType dtype = pick_dtype(t.precision, ctx);
   // "auto" leaves the process default alone, which TESSERA_ATTENTION_BACKEND may have set.
   if (t.attention_backend != "auto") set_attention_backend(parse_attention_backend(t.attention_backend));
-  models::TransformerLM model(c.model, dtype);
+  models::TransformerLM model(c.model, dtype, dist_run.parallel_context());
   model.to(ctx.device);
   model.init(ctx, t.seed);
-  Optimizer optimizer(model.parameters(), c.optimizer);
+  // ZeRO-1 (training.parallel.distributed_optimizer) shards the optimizer state over the data
+  // ranks; the plain optimizer then holds nothing.
+  std::unique_ptr<dist::DistributedOptimizer> zero1 = dist_run.make_zero1(ctx, model, c.optimizer);
+  Optimizer optimizer(zero1 ? nn::ParameterList{} : model.parameters(), c.optimizer);
+  OptimizerBase& opt = zero1 ? static_cast<OptimizerBase&>(*zero1) : optimizer;
   std::shared_ptr<nn::Fp8Scaling> fp8_state;
   if (c.fp8) {
     TESSERA_CHECK(dtype == DType::BF16, "train: the fp8 section needs BF16 compute (training.precision bf16, ",
@@ -218,10 +240,10 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     if (!options.resume_from.empty()) {
       dir = options.resume_from;  // load_checkpoint verifies it
     } else {
-      dir = latest_checkpoint(t.out_dir, true, &skipped);
+      dir = dist_run.latest_checkpoint(t.out_dir, &skipped);  // rank 0 looks, every rank gets its answer
     }
     if (dir) {
-      const CheckpointState state = load_checkpoint(*dir, model, &optimizer);
+      const CheckpointState state = load_checkpoint(*dir, model, &opt, /*verify=*/main_rank);
       step = state.step;
       train_loader.load_state(state.data_position);
       if (state.extra.is_object() && state.extra.contains("skip_data"))
@@ -229,7 +251,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
       if (fp8_state && state.extra.is_object() && state.extra.contains("fp8"))
         fp8_state->load_state_dict(ctx, fp8_state_from_json(state.extra["fp8"]));
       resumed = true;
-      if (!options.quiet) std::printf("train: resumed from %s at step %lld\n", dir->c_str(), static_cast<long long>(step));
+      if (!quiet) std::printf("train: resumed from %s at step %lld\n", dir->c_str(), static_cast<long long>(step));
     } else if (!skipped.empty()) {
       TESSERA_FAIL("train: --resume: none of the ", skipped.size(), " checkpoints under ", t.out_dir,
                    "/checkpoints verifies (newest: ", skipped.front(), "); move them away to start afresh");
@@ -254,24 +276,36 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
       }
       load_checkpoint(dir, model, nullptr);
     }
-    if (!options.quiet) std::printf("train: initialised from %s\n", t.init_from.c_str());
+    if (!quiet) std::printf("train: initialised from %s\n", t.init_from.c_str());
   }
+
+  dist_run.wait_for_all();  // loading (rank 0 verifies the checkpoint) takes long on some ranks
+  dist_run.setup_replicas(ctx, model);  // rank 0's weights on every data rank; the gradient buckets
 
   const std::string metrics_path = (fs::path(t.out_dir) / "metrics.jsonl").string();
   // A resumed run continues the metrics of the steps its checkpoint covers; lines of later
-  // steps (written before the run died) would otherwise appear twice.
-  if (step > 0) truncate_metrics_after(metrics_path, step);
-  std::ofstream metrics(metrics_path, step > 0 ? std::ios::app : std::ios::trunc);
-  TESSERA_CHECK(metrics.good(), "train: cannot write ", metrics_path);
-  io::write_file_atomically((fs::path(t.out_dir) / "config.json").string(), c.to_json().dump(2));
+  // steps (written before the run died) would otherwise appear twice. Rank 0 alone writes
+  // metrics.jsonl, events.jsonl and config.json (`metrics` stays closed on the others).
+  if (step > 0 && main_rank) truncate_metrics_after(metrics_path, step);
+  std::ofstream metrics;
+  if (main_rank) {
+    metrics.open(metrics_path, step > 0 ? std::ios::app : std::ios::trunc);
+    TESSERA_CHECK(metrics.good(), "train: cannot write ", metrics_path);
+    io::write_file_atomically((fs::path(t.out_dir) / "config.json").string(), config.to_json().dump(2));
+  }
 
-  const int64_t tokens_per_step = t.batch_size * t.seq_len * t.grad_accum;
-  if (!options.quiet) {
+  const int64_t tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * data_size;  // over all data ranks
+  if (!quiet) {
     std::printf("train: %s model, %lld parameters, on %s in %s, %lld tokens (%s tokenizer), %lld tokens per step\n",
                 c.model.architecture.c_str(), static_cast<long long>(model.num_parameters()),
                 ctx.device.is_cuda() ? "cuda" : "cpu", dtype == DType::BF16 ? "bf16 (fp32 master weights)" : "fp32",
                 static_cast<long long>(tokens.num_tokens()), tokenizer->name().c_str(),
                 static_cast<long long>(tokens_per_step));
+    if (dist_run.size() > 1)
+      std::printf("train: %d ranks (%s): %lld data-parallel x %lld micro-batch(es) of %lld sequences per step, %s\n",
+                  dist_run.size(), dist_run.runtime().grid->data->backend(), static_cast<long long>(data_size),
+                  static_cast<long long>(t.grad_accum), static_cast<long long>(t.batch_size),
+                  zero1 ? "ZeRO-1 distributed optimizer" : "gradients all-reduced after backward");
     if (fp8_state)
       std::printf("train: FP8 (%s scaling) in %lld linear layers of the blocks\n", c.fp8->name().c_str(),
                   static_cast<long long>(fp8_state->num_linears()));
@@ -279,17 +313,32 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
                 unigram_entropy(tokens, c.model.vocab_size));
   }
 
+  // training.cuda_graph: the step captured into a CUDA graph after a few uncaptured ones.
+  std::unique_ptr<CudaGraphStep> graph_step;
+  bool graph_news_told = false;
+  {
+    const CudaGraphChoice choice = choose_cuda_graph(c, ctx.device, dist_run.size() > 1 || zero1 != nullptr);
+    if (choice.use) {
+      graph_step = std::make_unique<CudaGraphStep>(
+          ctx, model, optimizer,
+          CudaGraphStep::Options{.batch_size = t.batch_size, .seq_len = t.seq_len, .grad_accum = t.grad_accum});
+    } else if (!choice.reason.empty() && (t.cuda_graph == "on" || ctx.device.is_cuda()) && !quiet) {
+      std::printf("train: CUDA graph off: %s; the step runs eagerly\n", choice.reason.c_str());
+    }
+  }
+
   auto validation_loss = [&] {
     val_loader->reset();
     double total = 0;
     for (int64_t i = 0; i < t.eval_batches; ++i) {
       const data::Batch b = val_loader->next();
-      total += model.forward_loss(ctx, b.inputs, b.targets);
+      if (i % data_size == data_rank) total += model.forward_loss(ctx, b.inputs, b.targets);  // this rank's share
     }
-    return total / t.eval_batches;
+    return dist_run.sum(total) / t.eval_batches;
   };
 
   TrainResult result;
+  result.step = step;  // a resumed run that has nothing left to do completed its checkpoint's step
   const bool tty = isatty(fileno(stdout));
   const auto start = std::chrono::steady_clock::now();
   int64_t first_step = step;
@@ -303,7 +352,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     for (const auto& [s, n] : skip_data) skips.push_back({s, n});
     nlohmann::json extra = {{"skip_data", skips}};
     if (fp8_state) extra["fp8"] = fp8_state_to_json(*fp8_state);
-    return CheckpointState{.step = step, .data_position = train_loader.state(), .config = c.to_json(),
+    return CheckpointState{.step = step, .data_position = train_loader.state(), .config = config.to_json(),
                            .extra = std::move(extra)};
   };
   // The rewind point: a host snapshot and where metrics.jsonl ended when it was taken.
@@ -312,16 +361,21 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   auto keep_as_last_good = [&](std::shared_ptr<const CheckpointSnapshot> snapshot) {
     metrics.flush();
     last_good = std::move(snapshot);
-    last_good_metrics_bytes = fs::file_size(metrics_path);
+    last_good_metrics_bytes = main_rank ? fs::file_size(metrics_path) : 0;
   };
   double stall_total_ms = 0;
   int64_t checkpoints = 0;
   auto save = [&] {
     const auto begin = std::chrono::steady_clock::now();
     double waited = 0;
-    auto snapshot = std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &optimizer, current_state()));
+    // Several ranks: the previous save is complete everywhere (its end cleans up leftover
+    // .tmp directories) before rank 0 empties the one all ranks write this save into.
+    if (writer && dist_run.size() > 1) waited = writer->wait();
+    dist_run.begin_checkpoint(t.out_dir, step);
+    auto snapshot = std::make_shared<const CheckpointSnapshot>(
+        snapshot_training_state(model, &opt, current_state(), dist_run.writers()));
     if (writer) {
-      waited = writer->request(snapshot);
+      waited += writer->request(snapshot);
       result.checkpoint = (fs::path(t.out_dir) / "checkpoints" / checkpoint_dir_name(step)).string();
     } else {
       result.checkpoint = write_checkpoint(t.out_dir, *snapshot, retention);
@@ -338,7 +392,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     if (rw.enabled && rw.snapshot_interval > 0) keep_as_last_good(std::move(snapshot));
   };
   if (rw.enabled && rw.snapshot_interval > 0)
-    keep_as_last_good(std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &optimizer, current_state())));
+    keep_as_last_good(std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &opt, current_state())));
 
   AnomalyDetector detector(rw);
   std::deque<int64_t> rewinds;  // steps at which rewinds happened, within max_rewinds_window
@@ -349,6 +403,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   };
   std::unique_ptr<std::ofstream> events;
   auto log_event = [&](const nlohmann::json& event) {
+    if (!main_rank) return;
     if (!events) events = std::make_unique<std::ofstream>(fs::path(t.out_dir) / "events.jsonl", std::ios::app);
     *events << event.dump() << "\n" << std::flush;
   };
@@ -369,24 +424,27 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     int64_t back_to = 0;
     metrics.close();
     if (last_good) {
-      restore_snapshot(*last_good, model, &optimizer);
+      restore_snapshot(*last_good, model, &opt);
       train_loader.load_state(last_good->data_position);
       back_to = last_good->step;
-      fs::resize_file(metrics_path, last_good_metrics_bytes);
+      if (main_rank) fs::resize_file(metrics_path, last_good_metrics_bytes);
       from = "memory";
     } else {
       if (writer) writer->wait();
-      const auto dir = latest_checkpoint(t.out_dir);
+      dist_run.wait_for_all();  // every rank's part of the last checkpoint is on disk
+      const auto dir = dist_run.latest_checkpoint(t.out_dir, nullptr);
       TESSERA_CHECK(dir.has_value(), "train: step ", bad_step, ": ", why, "; no state to roll back to (no in-memory ",
                     "snapshot: training.rewind.snapshot_interval is 0, and no verified checkpoint yet)");
-      const CheckpointState state = load_checkpoint(*dir, model, &optimizer);
+      const CheckpointState state = load_checkpoint(*dir, model, &opt, /*verify=*/main_rank);
       train_loader.load_state(state.data_position);
       back_to = state.step;
-      truncate_metrics_after(metrics_path, back_to);
+      if (main_rank) truncate_metrics_after(metrics_path, back_to);
       from = *dir;
     }
-    metrics.open(metrics_path, std::ios::app);
-    TESSERA_CHECK(metrics.good(), "train: cannot reopen ", metrics_path);
+    if (main_rank) {
+      metrics.open(metrics_path, std::ios::app);
+      TESSERA_CHECK(metrics.good(), "train: cannot reopen ", metrics_path);
+    }
     if (rw.skip_steps > 0) skip_data[bad_step] = std::max(skip_data[bad_step], rw.skip_steps);
     if (rw.lr_scale_steps > 0 && rw.lr_scale < 1) {
       lr_scaled_from = bad_step;
@@ -397,7 +455,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     log_event({{"event", "rewind"}, {"step", bad_step}, {"reason", why}, {"back_to_step", back_to}, {"from", from},
                {"skipped_data_steps", rw.skip_steps}, {"lr_scale", rw.lr_scale}, {"lr_scale_until_step", lr_scaled_until},
                {"rewinds_in_window", count}});
-    std::fprintf(stderr, "%strain: step %lld: %s; rewound to step %lld (from %s), skipping %lld step(s) of data\n",
+    if (main_rank)
+      std::fprintf(stderr, "%strain: step %lld: %s; rewound to step %lld (from %s), skipping %lld step(s) of data\n",
                  tty ? "\n" : "", static_cast<long long>(bad_step), why.c_str(), static_cast<long long>(back_to),
                  from.c_str(), static_cast<long long>(rw.skip_steps));
     step = back_to;
@@ -406,35 +465,69 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   const FaultInjectionConfig& faults = t.fault_injection;
   while (step < t.steps) {
     step += 1;
+    dist_run.inject_rank_fault(faults, step);
     if (auto skip = skip_data.find(step); skip != skip_data.end())
-      for (int64_t i = 0; i < skip->second * t.grad_accum; ++i) (void)train_loader.next();
-    model.zero_grad();
-    double loss = 0;
-    for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
-      const data::Batch b = train_loader.next();
-      loss += model.forward_backward(ctx, b.inputs, b.targets, 1.0f / t.grad_accum) / t.grad_accum;
-      if (fp8_state) fp8_state->end_micro_batch(ctx);
-    }
-    if (!rw.enabled)
-      TESSERA_CHECK(std::isfinite(loss), "train: the loss became ", loss, " at step ", step,
-                    " (lower optimizer.lr or check the data)");
-    if ((faults.nan_grad_from_step > 0 && step >= faults.nan_grad_from_step) || fault_once(faults.nan_grad_at_step, 0))
-      poison_a_gradient(model);
+      detail::DistributedRun::skip_batches(train_loader, skip->second * t.grad_accum * data_size);
+    // A global batch is grad_accum x data_size micro-batches in loader order; this rank
+    // computes its grad_accum of them, data rank 0 the first.
+    detail::DistributedRun::skip_batches(train_loader, data_rank * t.grad_accum);
+    std::vector<data::Batch> batches;
+    for (int64_t micro = 0; micro < t.grad_accum; ++micro) batches.push_back(train_loader.next());
+    detail::DistributedRun::skip_batches(train_loader, (data_size - 1 - data_rank) * t.grad_accum);
+    const bool poison_now =
+        (faults.nan_grad_from_step > 0 && step >= faults.nan_grad_from_step) || fault_once(faults.nan_grad_at_step, 0);
     double lr = learning_rate(c.optimizer, step, t.steps);
     if (step >= lr_scaled_from && step <= lr_scaled_until) lr *= rw.lr_scale;
-    // A step that is rolled back may update with NaNs: the restore undoes it.
-    const double grad_norm = std::isfinite(loss) ? optimizer.step(ctx, lr) : NAN;
+    double loss = 0, grad_norm = NAN;
+    // The captured step has no place for the host to poison a gradient between backward and
+    // the optimizer: such steps, and batches with ignored targets, run eagerly (same bits).
+    if (graph_step && !poison_now && graph_step->accepts(batches)) {
+      const CudaGraphStep::Result r = graph_step->step(batches, lr);
+      loss = r.loss;
+      grad_norm = r.grad_norm;
+      if (!graph_news_told && !quiet && (r.replayed || !graph_step->failure().empty())) {
+        graph_news_told = true;
+        if (r.replayed)
+          std::printf("%strain: step %lld captured into a CUDA graph\n", tty ? "\n" : "", static_cast<long long>(step));
+        else
+          std::printf("%strain: CUDA graph capture failed (%s); the step runs uncaptured\n", tty ? "\n" : "",
+                      graph_step->failure().c_str());
+      }
+      if (!rw.enabled)
+        TESSERA_CHECK(std::isfinite(loss), "train: the loss became ", loss, " at step ", step,
+                      " (lower optimizer.lr or check the data)");
+    } else {
+      model.zero_grad();
+      for (const data::Batch& b : batches) {
+        loss += model.forward_backward(ctx, b.inputs, b.targets, 1.0f / t.grad_accum) / t.grad_accum;
+        if (fp8_state) fp8_state->end_micro_batch(ctx);
+      }
+      // The global batch's loss, the same on every rank (a NaN on one rank is a NaN on all, so
+      // they all skip the update below together).
+      loss = dist_run.average(loss);
+      if (!rw.enabled)
+        TESSERA_CHECK(std::isfinite(loss), "train: the loss became ", loss, " at step ", step,
+                      " (lower optimizer.lr or check the data)");
+      if (poison_now && main_rank) poison_a_gradient(model);  // the reduction spreads rank 0's NaN to all
+      // A step that is rolled back may update with NaNs: the restore undoes it.
+      if (std::isfinite(loss)) {
+        dist_run.reduce_gradients(ctx);  // the plain optimizer on several data ranks: average the gradients
+        grad_norm = opt.step(ctx, lr);
+      }
+    }
     if (fp8_state) fp8_state->end_step(ctx);                  // delayed scaling: next step's scales
     if (c.model.is_moe()) model.update_expert_biases(ctx);   // auxiliary-loss-free balancing
     const double seen_loss = fault_once(faults.loss_spike_at_step, 1) ? loss * 10 + 10 : loss;
-    if (rw.enabled) {
-      if (auto why = detector.check(step, seen_loss, grad_norm)) {
-        rewind(step, *why);
-        continue;
-      }
-      detector.accept(step, seen_loss, grad_norm);
-    }
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Rewinds and stops are decided by all ranks together, so that none goes its own way.
+    std::optional<std::string> why = rw.enabled ? detector.check(step, seen_loss, grad_norm) : std::nullopt;
+    bool out_of_time = t.max_minutes > 0 && elapsed > t.max_minutes * 60;
+    dist_run.agree(why, out_of_time);
+    if (why) {
+      rewind(step, *why);
+      continue;
+    }
+    if (rw.enabled) detector.accept(step, seen_loss, grad_norm);
     const double rate = std::max<int64_t>(step - first_step, 1) * tokens_per_step / elapsed;
     nlohmann::json line = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens_per_s", rate}};
     if (c.model.is_moe()) line["aux_loss"] = model.last_aux_loss();  // router losses, part of `loss`
@@ -447,7 +540,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
     result.last_loss = loss;
     result.tokens_per_second = rate;
 
-    if (!options.quiet && (step % t.log_interval == 0 || step == t.steps || line.contains("val_loss"))) {
+    if (!quiet && (step % t.log_interval == 0 || step == t.steps || line.contains("val_loss"))) {
       const double eta = elapsed / std::max<int64_t>(step - first_step, 1) * (t.steps - step);
       std::printf("%sstep %lld/%lld  loss %.4f  lr %.2e  |g| %.2f  %.0f tok/s  ETA %s%s", tty ? "\r" : "",
                   static_cast<long long>(step), static_cast<long long>(t.steps), loss, lr, grad_norm, rate,
@@ -455,15 +548,14 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
       if (line.contains("val_loss")) std::printf("%s  val_loss %.4f\n", tty ? "\n" : "", result.last_val_loss);
       std::fflush(stdout);
     }
-    const bool out_of_time = t.max_minutes > 0 && elapsed > t.max_minutes * 60;
     const bool stop_now = options.stop_after > 0 && step - first_step >= options.stop_after;
     const bool checkpoint_now =
         (t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0) || step == t.steps || out_of_time || stop_now;
     if (checkpoint_now) save();
     if (rw.enabled && rw.snapshot_interval > 0 && step % rw.snapshot_interval == 0 && !checkpoint_now)
-      keep_as_last_good(std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &optimizer, current_state())));
+      keep_as_last_good(std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &opt, current_state())));
     if (out_of_time) {
-      if (!options.quiet) std::printf("\ntrain: stopping after %.1f minutes (training.max_minutes)\n", elapsed / 60);
+      if (!quiet) std::printf("\ntrain: stopping after %.1f minutes (training.max_minutes)\n", elapsed / 60);
       break;
     }
     if (stop_now) break;
@@ -472,9 +564,10 @@ TrainResult train(const RunConfig& c, const TrainOptions& options) {
   // per-checkpoint stalls, which are what training itself lost.
   double final_wait_ms = 0;
   if (writer) final_wait_ms = writer->wait() * 1e3;
+  dist_run.wait_for_all();  // on every rank, train() returns once the last checkpoint is complete
   result.checkpoints = checkpoints;
   result.mean_checkpoint_stall_ms = checkpoints > 0 ? stall_total_ms / checkpoints : 0;
-  if (!options.quiet) {
+  if (!quiet) {
     std::printf("\ntrain: step %lld, loss %.4f, %.0f tokens/s; checkpoint %s\n", static_cast<long long>(result.step),
                 result.last_loss, result.tokens_per_second, result.checkpoint.c_str());
     if (checkpoints > 0)

@@ -30,6 +30,10 @@
 
 namespace tessera::dist {
 
+// Copies rank `root`'s full-precision weights of `parameters` to every rank of `group` and
+// refreshes the compute copies (collective; what DataParallel::broadcast_parameters does).
+void broadcast_parameters(Context& ctx, const nn::ParameterList& parameters, ProcessGroup& group, int root = 0);
+
 struct DataParallelOptions {
   size_t bucket_bytes = size_t{25} << 20;
   bool average = true;  // false: sum the gradients instead (the caller scales the loss)

@@ -12,35 +12,56 @@
 // Memory per rank: 12 bytes/param of state becomes 12/D, plus a flat gradient and weight
 // buffer. Results equal train::Optimizer after DataParallel averaging up to the rounding
 // of the gradient norm (the same when clipping is off).
+//
+// The master weights of the range are taken from the parameters at the start of every step
+// (they equal the parameters' full-precision weights after each all-gather), so weights
+// loaded into the model (a checkpoint, a rewind, an import) need no separate hand-over.
+// Checkpoints hold each rank's moments as one shard of the flat space (state() and
+// state_layout()); train/checkpoint.cpp re-splits them when the data-parallel size changes.
 #pragma once
 
+#include <algorithm>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "tessera/dist/process_group.h"
 #include "tessera/nn/parameter.h"
 #include "tessera/train/config.h"
+#include "tessera/train/optimizer.h"
 
 namespace tessera::dist {
 
-class DistributedOptimizer {
+class DistributedOptimizer : public train::OptimizerBase {
  public:
   // Collective over `group`. The parameters' full-precision weights must be equal on every
   // rank (DataParallel::broadcast_parameters) and share one dtype and device.
   DistributedOptimizer(Context& ctx, nn::ParameterList parameters, GroupPtr group, const train::OptimizerConfig& config);
 
   // Gradients: this rank's, not yet reduced. Returns the global gradient norm before clipping.
-  double step(Context& ctx, double lr);
-  int64_t steps_taken() const { return step_; }
-  // This rank's range of the flat index space, [begin, end).
+  double step(Context& ctx, double lr) override;
+  int64_t steps_taken() const override { return step_; }
+  // This rank's range of the flat index space, [begin, end) (end may pass the last element:
+  // padding).
   std::pair<int64_t, int64_t> shard_range() const { return {shard_begin_, shard_begin_ + shard_}; }
   int64_t total_elements() const { return total_; }
+
+  // The moments of this rank's range without the padding, [begin, min(end, total)):
+  // "exp_avg" and "exp_avg_sq", 1-D.
+  std::vector<std::pair<std::string, Tensor>> state() const override;
+  // {"kind": "zero1", "rank", "size", "begin", "end" (without padding), "total",
+  //  "parameters": [[name, numel], ...] in flat order}
+  nlohmann::json state_layout() const override;
+  // Tensors as state() gives them (this rank's range), and the step count.
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) override;
 
  private:
   struct Segment {                  // a parameter's part inside this rank's range
     nn::Parameter* parameter;
     int64_t shard_offset, length;   // in the shard
+    int64_t param_offset;           // of the part within the parameter
   };
+  int64_t owned() const { return std::max<int64_t>(0, std::min(shard_begin_ + shard_, total_) - shard_begin_); }
   nn::ParameterList params_;
   std::vector<int64_t> offsets_;    // of each parameter in the flat index space
   GroupPtr group_;

@@ -4,11 +4,12 @@
 // on neighbouring GPUs of one host, where NVLink is):
 //   world_rank = (pipeline_rank * data + data_rank) * tensor + tensor_rank
 // The config block it reads (training.parallel in a YAML config):
-//   parallel: {data: 2, tensor: 2, pipeline: 1, sequence_parallel: true}
+//   parallel: {data: 2, tensor: 2, pipeline: 1, sequence_parallel: true,
+//              distributed_optimizer: false, timeout_s: 300, bucket_mb: 25}
 // data may be 0 ("whatever is left": world / (tensor * pipeline)).
 #pragma once
 
-#include <nlohmann/json_fwd.hpp>
+#include <nlohmann/json.hpp>
 
 #include "tessera/dist/process_group.h"
 #include "tessera/nn/parameter.h"
@@ -21,9 +22,12 @@ struct ParallelConfig {
   int pipeline = 1;
   bool sequence_parallel = false;
   size_t bucket_mb = 25;  // DataParallel's bucket size
+  bool distributed_optimizer = false;  // ZeRO-1: shard the optimizer state over the data ranks
+  double timeout_s = 300;  // a wait on another rank longer than this stops the run (0: forever)
 
   // From the training.parallel block; unknown keys and bad values are errors naming the key.
   static ParallelConfig from_json(const nlohmann::json& j);
+  nlohmann::json to_json() const;
 };
 
 class ParallelGrid {

@@ -90,11 +90,16 @@ using GroupPtr = std::shared_ptr<ProcessGroup>;
 // A world of one.
 GroupPtr local_group();
 
-// The world group for this process: MPI's world when the process was launched by an MPI
-// launcher (mpirun / mpiexec / srun with PMI) and MPI is built in; a local group of one
-// when it was launched alone. A launch with WORLD_SIZE > 1 but no MPI is an error (the
-// RANK/WORLD_SIZE bootstrap without MPI is the NCCL file exchange, see nccl_group.h).
+// The world group for this process:
+//   - MPI's world when an MPI launcher started it (mpirun / mpiexec / srun with PMI) and MPI
+//     is built in (an MPI launch of several ranks without MPI built in is an error);
+//   - else, when WORLD_SIZE > 1 (`tessera launch`, torchrun-style launchers), the TCP
+//     backend (tcp_group.h) over RANK, WORLD_SIZE, MASTER_ADDR (default 127.0.0.1) and
+//     MASTER_PORT (default 29500); the rendezvous waits at most TESSERA_DIST_TIMEOUT_S
+//     seconds when set, else 300;
+//   - else a local group of one.
 // Idempotent: later calls return the same group. MPI is finalized at exit or by finalize().
+// Also sets the rank the watchdog's messages name.
 GroupPtr init_from_env();
 // The group init_from_env() returned (initializing on first use).
 GroupPtr world();
@@ -105,6 +110,22 @@ void finalize();
 bool mpi_available();
 // True when the environment says an MPI launcher started this process.
 bool launched_by_mpi();
+
+// Ends the whole job at once after an error on this rank: MPI_Abort when this process is one
+// rank of an MPI world of several (the MPI launcher kills the others, which would otherwise
+// wait in their next collective); nothing otherwise (TCP peers see the closed connections,
+// `tessera launch` stops the other ranks when one exits with an error).
+void abort_job(int status);
+
+// This process's rank on its host: LOCAL_RANK, or the MPI launchers' variables
+// (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID); 0 when none is set.
+int local_rank();
+
+// Strings between the ranks of a group of CPU transport (local, mpi, tcp).
+// broadcast_string: every rank returns root's `s`. all_gather_strings: every rank's, in
+// rank order.
+std::string broadcast_string(ProcessGroup& group, const std::string& s, int root = 0);
+std::vector<std::string> all_gather_strings(ProcessGroup& group, const std::string& s);
 
 // Stops every rank with the same clear error when the ranks disagree on `value` (a hash of a
 // config, of shapes, of a parameter list). `what` names it in the message.

@@ -35,8 +35,17 @@ struct QuantizedTensor {
 //    bits), so nothing waits for the GPU; the scale is not checked there, and one that is
 //    not finite and > 0 gives scale_inv = NaN, which turns every GEMM using it into NaN.
 // All outputs are allocated on ctx.device; x, scale and amax_out must live there too.
+// On CUDA, for F32 and BF16 x, one kernel writes both copies and the amax from one read of x
+// (backend/cuda/cast_transpose.cu: the same bytes as the two ops). amax_out may be the scale
+// tensor itself: codes and scale_inv then use the scale as it was before the call.
 QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
                                         Tensor* amax_out = nullptr);
+
+// The QuantizedTensor of codes already cast with `scale` (e.g. by a norm with an FP8 output,
+// ops/norm.h): data is kept (contiguous 2-D E4M3 or E5M2), data_t is its transpose_2d, and
+// scale_inv = 1.0f / scale[0] exactly as quantize_with_transpose computes it (checked on the
+// CPU, not on CUDA).
+QuantizedTensor quantized_from_codes(Context& ctx, const Tensor& data, const Tensor& scale);
 
 // float(q) * scale_inv as a new tensor of `out_dtype` [M, K] on ctx.device
 // (dequantize_per_tensor on q.data).

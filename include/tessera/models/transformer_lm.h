@@ -5,13 +5,27 @@
 //
 // The head is evaluated in chunks of rows, and its backward runs inside the same loop, so
 // only one chunk of logits ([chunk, vocab]) exists at any time, never [B*T, vocab].
+//
+// Tensor parallelism: built with a ParallelContext whose tensor_size is tp > 1, the model
+// holds this tensor rank's shard (src/models/parallel_lm.cpp): every layer is an
+// nn::TensorParallelTransformerLayer (heads and FFN split), the embedding and head are
+// vocab-parallel (nn/vocab_parallel.h; rows = ceil(V / tp) per rank, the last rank padded
+// with zero rows), and with parallel.sequence_parallel the norms and residual adds run on
+// B*T/tp rows per rank. `layers`, `token_embedding` and `lm_head` are then empty; the
+// position embedding and final norm are replicated. Every tensor rank calls every method
+// with the same inputs and targets (collectives inside) and gets the same loss. Parameter
+// names are those of the single-device model; the full (single-device) layout is what
+// full_state_dict() / load_full_state() read and write, so checkpoints in that layout load
+// at any tensor size. See docs/distributed.md, "Tensor and sequence parallel".
 #pragma once
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "tessera/models/config.h"
 #include "tessera/nn/norm.h"
+#include "tessera/nn/parallel_layout.h"
 #include "tessera/nn/transformer_layer.h"
 
 namespace tessera::models {
@@ -38,6 +52,19 @@ class TransformerLM {
   // every parameter ACCUMULATED (gradient accumulation is the caller's loop). `scale`
   // multiplies the gradients (1 / micro-batches when accumulating).
   double forward_backward(Context& ctx, const Tensor& inputs, const Tensor& targets, float scale = 1.0f);
+  // The device-resident form, for a step captured into a CUDA graph (train::CudaGraphStep):
+  // nothing is read back or copied from the host. inputs and targets are [B, T] ids already
+  // on ctx's device, and every target must be valid (none is kIgnoreIndex: the loss is then
+  // the plain mean, whose chunk weights are known without reading the targets). Adds
+  // loss / loss_divisor to loss_acc[0] (F64 [1] on ctx's device), bit for bit the double
+  // that `acc += forward_backward(...) / loss_divisor` adds on the host; the gradients are
+  // the same bits too. Dense models only: a mixture-of-experts forward reads its per-expert
+  // token counts on the host.
+  void forward_backward_into(Context& ctx, const Tensor& inputs, const Tensor& targets, float scale, Tensor& loss_acc,
+                             double loss_divisor = 1.0);
+  // The device buffers a step reads besides the parameters (GPT-2's cached position ids, the
+  // padded LM head), for whoever keeps a captured step to hold on to.
+  std::vector<Tensor> step_buffers() const;
   // For mixture-of-experts models the value returned is the cross-entropy plus every MoE
   // layer's auxiliary losses (load balancing and z-loss, with their coefficients), the
   // objective whose gradient this computes; last_aux_loss() is their part of it. The
@@ -57,8 +84,44 @@ class TransformerLM {
   std::vector<std::vector<int64_t>> expert_loads() const;
   void update_expert_biases(Context& ctx);
 
+  // ---- Tensor parallelism and the full (single-device) layout ----
+  // Named tensors, as io::NamedTensors.
+  using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+  // The config checks of a tensor size: head counts, K/V heads (split when num_kv_heads
+  // divides by tp, replicated when tp divides by num_kv_heads), the FFN size; dense models
+  // only. Throws Error naming the key. The constructor runs it; callers may run it earlier.
+  static void validate_parallel(const ModelConfig& config, const nn::ParallelContext& parallel);
+  const nn::ParallelContext& parallel() const { return parallel_; }
+  bool tensor_parallel() const { return tp_ != nullptr; }
+  // Where each of parameters() sits in the full tensor (all replicated at tensor size 1).
+  std::vector<nn::ShardLayout> shard_layouts();
+  // The full single-device state: every parameter's full-precision weights (FP32 masters
+  // of a BF16 model) under its name, gathered over the tensor group, in parameters() order
+  // (the single-device model's order) on `dst`. Collective over the tensor group; every
+  // tensor rank gets the same result. At tensor size 1, copies.
+  NamedTensors full_state_dict(Context& ctx, Device dst = Device::cpu());
+  // Fills this rank's shard of every parameter from a full state (names and shapes of the
+  // single-device model, any dtype and device; extra names are ignored, a missing or
+  // mis-shaped one is an Error naming it) and refreshes the compute values. Local: no
+  // communication, so each rank may read the full state itself.
+  void load_full_state(Context& ctx, const NamedTensors& full);
+  // The same two conversions for other per-parameter tensors, e.g. AdamW moments named
+  // "<parameter>.exp_avg": a tensor is matched to the parameter whose name is its name or
+  // its longest dotted prefix, and has that parameter's local (gather_full) or full
+  // (shard_full) shape. gather_full is collective over the tensor group.
+  NamedTensors gather_full(Context& ctx, const NamedTensors& local, Device dst = Device::cpu());
+  NamedTensors shard_full(const NamedTensors& full);
+  // The global gradient norm as the single-device model has it (split parameters' squares
+  // summed over the tensor group, replicated ones counted once). Collective over the tensor
+  // group. Global-norm clipping under tensor parallelism must use this norm.
+  double grad_norm(Context& ctx);
+  // grad_norm(), then every gradient scaled by max_norm / (norm + 1e-6) when norm >
+  // max_norm > 0 (train::Optimizer's rule; step the optimizer with its clipping off).
+  // Returns the norm before clipping. Collective over the tensor group.
+  double clip_grad_norm(Context& ctx, double max_norm);
+
   nn::ParameterList parameters();
-  int64_t num_parameters();
+  int64_t num_parameters();  // this rank's (with its vocabulary padding rows) under tensor parallelism
   void zero_grad();
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }
@@ -83,11 +146,24 @@ class TransformerLM {
     std::vector<double> weights;  // valid targets of the chunk / valid targets in all
     double read() const;
   };
-  HeadLoss head_loss(Context& ctx, const Tensor& h, const Tensor& targets, const Tensor& device_targets, Tensor* d_h,
+  // targets null: every target is valid (forward_backward_into).
+  HeadLoss head_loss(Context& ctx, const Tensor& h, const Tensor* targets, const Tensor& device_targets, Tensor* d_h,
                      float scale);
+  // Forward and backward of one micro-batch, everything queued, the loss left on the device.
+  HeadLoss forward_backward_queued(Context& ctx, const Tensor& ids, const Tensor* targets, const Tensor& device_targets,
+                                   float scale, Saved& saved);
 
   ModelConfig config_;
   DType dtype_;
+  nn::ParallelContext parallel_;
+  // Tensor parallelism: the sharded trunk, embedding and head (src/models/parallel_lm.h);
+  // null at tensor size 1. (shared_ptr: the type is complete only in the .cpp files.)
+  struct TensorParallelParts;
+  std::shared_ptr<TensorParallelParts> tp_;
+  // The initialisation rule of one full parameter tensor (shared by init() and the
+  // tensor-parallel init, which draws each full tensor and keeps its shard).
+  static void init_tensor(Context& ctx, const std::string& name, Tensor& w, int64_t num_layers, uint64_t seed,
+                          uint64_t stream);
   // On CUDA with a vocabulary that is not a multiple of 64: the head weight's value and
   // gradient with zero padding rows; the Parameter holds views of their first V rows.
   Tensor head_value_padded_, head_grad_padded_;
@@ -98,11 +174,11 @@ class TransformerLM {
   double last_aux_loss_ = 0;
 
  public:
-  nn::Parameter token_embedding;     // [V, C]
+  nn::Parameter token_embedding;     // [V, C] (empty under tensor parallelism)
   nn::Parameter position_embedding;  // [max_seq_len, C], GPT-2 only
-  std::vector<std::unique_ptr<nn::TransformerLayer>> layers;
+  std::vector<std::unique_ptr<nn::TransformerLayer>> layers;  // empty under tensor parallelism
   nn::Norm final_norm;
-  nn::Parameter lm_head;  // [V, C], only when embeddings are untied
+  nn::Parameter lm_head;  // [V, C], only when embeddings are untied (empty under tensor parallelism)
 };
 
 }  // namespace tessera::models

@@ -37,6 +37,18 @@ class Fp8Scaling {
   // linear `layer`. Under delayed scaling the amax lands in the state's pending slot.
   fp8::QuantizedTensor quantize(Context& ctx, const Tensor& x, int64_t layer, Slot slot);
 
+  // For a cast made outside quantize (a norm writing FP8 straight into the linear layer,
+  // ops/norm.h's *_forward_fp8): what tensor `slot` of `layer` is cast with. Delayed scaling:
+  // its current scale and the pending amax slot the cast writes (the cast can run at once).
+  // Current scaling: scale undefined and a fresh amax, which the cast must fill first (the
+  // norm's statistics pass); current_scale then gives the scale to cast with.
+  struct CastTarget {
+    Tensor scale, amax;
+  };
+  CastTarget cast_target(Context& ctx, int64_t layer, Slot slot);
+  bool scale_known_before_cast() const { return delayed_.has_value(); }
+  Tensor current_scale(Context& ctx, const Tensor& amax, Slot slot) const;
+
   // After each micro-batch / once per step (delayed scaling's bookkeeping; no-ops for current).
   void end_micro_batch(Context& ctx);
   void end_step(Context& ctx);

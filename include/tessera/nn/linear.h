@@ -25,6 +25,10 @@ class Linear {
          const ParallelContext& parallel = {});
 
   Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;              // x [N, in] -> [N, out]
+  // The FP8 forward from an input already cast for this layer (tensor kInput of its binding,
+  // e.g. by a norm with an FP8 output: LayerNormLinear), kept as saved.x_fp8. Needs a binding
+  // and the sizes runs_fp8 asks for (rows, in, out multiples of 16; BF16 weight).
+  Tensor forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved) const;
   Tensor backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const;  // -> dx [N, in]
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);
@@ -34,6 +38,8 @@ class Linear {
   const Fp8Binding& fp8_binding() const { return fp8_; }
   // Whether forward(x) takes the FP8 path.
   bool runs_fp8(const Tensor& x) const;
+  // The same for an input of `rows` rows of `dtype` (what a norm in front of it produces).
+  bool runs_fp8(int64_t rows, DType dtype) const;
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }

@@ -19,6 +19,10 @@ class MLP {
       const ParallelContext& parallel = {});
 
   Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;
+  // The FP8 forward from an input already cast for fc (tensor kInput of fc's binding, e.g. by
+  // a norm with an FP8 output: LayerNormMLP); as forward when fc runs in FP8. backward_input
+  // and backward_weight are the same for both.
+  Tensor forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved) const;
   Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);

@@ -20,6 +20,7 @@
 
 #include "tessera/nn/attention.h"
 #include "tessera/nn/mlp.h"
+#include "tessera/nn/parallel_layout.h"
 #include "tessera/nn/parameter.h"
 
 namespace tessera::nn {
@@ -28,6 +29,17 @@ class ColumnParallelLinear {
  public:
   struct Saved {
     Tensor x;  // the full input [N, in] (gathered under sequence parallelism)
+  };
+  // A block of output features split into `shards` equal slices, rank r holding slice
+  // r / (tp / shards): shards = tp (0 means tp) splits it across the ranks, fewer shards
+  // give each slice to tp / shards neighbouring ranks (K/V heads under GQA with fewer heads
+  // than ranks), shards = 1 replicates it. shards must divide tp and the width. The input
+  // gradient stays exact (each rank's share is summed), but the weight gradient of a slice
+  // held by several ranks is each rank's part only: the owner of the layer sums it over
+  // those ranks (TensorParallelSelfAttention does).
+  struct Block {
+    int64_t width = 0;
+    int shards = 0;
   };
   // `parts`: the output features are `parts` equal blocks each split across the ranks (2 for
   // SwiGLU's [gate | up], 3 for a fused [q | k | v] of equal widths), so that every rank
@@ -38,6 +50,9 @@ class ColumnParallelLinear {
   // summing to out_features, each divisible by the tensor-parallel size.
   ColumnParallelLinear(const std::string& name, int64_t in_features, const std::vector<int64_t>& blocks, bool bias,
                        DType dtype, const ParallelContext& parallel);
+  // The general form (see Block).
+  ColumnParallelLinear(const std::string& name, int64_t in_features, const std::vector<Block>& blocks, bool bias,
+                       DType dtype, const ParallelContext& parallel);
 
   Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;            // -> [N, out/tp]
   Tensor backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const;  // -> dx, reduced
@@ -47,18 +62,23 @@ class ColumnParallelLinear {
   // Fills this rank's shard from the full weight [out, in] and bias [out] (bias may be
   // undefined), any device: for tests, imports and resharding.
   void load_full(Context& ctx, const Tensor& full_weight, const Tensor& full_bias);
-  // The rows of the full weight this rank holds, in the order it holds them.
-  std::vector<std::pair<int64_t, int64_t>> shard_rows() const;
+  // The rows of the full weight this rank (or tensor rank `rank`) holds, in the order it
+  // holds them.
+  std::vector<std::pair<int64_t, int64_t>> shard_rows() const { return shard_rows(rank_); }
+  std::vector<std::pair<int64_t, int64_t>> shard_rows(int rank) const;
+  // Where weight and bias sit in the full tensors (nn/parallel_layout.h).
+  ShardLayout weight_layout() const;
+  ShardLayout bias_layout() const;
 
   int64_t in_features() const { return in_; }
-  int64_t out_features() const { return out_; }       // full
-  int64_t local_out_features() const { return out_ / tp_; }
-  Parameter weight, bias;  // [out/tp, in], [out/tp]
+  int64_t out_features() const { return out_; }  // full
+  int64_t local_out_features() const { return local_out_; }
+  Parameter weight, bias;  // [local out, in], [local out] (out/tp each when every block is split tp ways)
 
  private:
-  int64_t in_, out_;
+  int64_t in_, out_, local_out_ = 0;
   int tp_, rank_;
-  std::vector<int64_t> blocks_;
+  std::vector<Block> blocks_;
   bool sequence_parallel_;
   std::shared_ptr<dist::ProcessGroup> group_;
 };
@@ -78,6 +98,8 @@ class RowParallelLinear {
   void parameters(ParameterList& out);
 
   void load_full(Context& ctx, const Tensor& full_weight, const Tensor& full_bias);
+  ShardLayout weight_layout() const;  // split along the input features (dimension 1)
+  ShardLayout bias_layout() const;    // replicated
 
   int64_t in_features() const { return in_; }  // full
   int64_t out_features() const { return out_; }
@@ -108,6 +130,8 @@ class TensorParallelMLP {
   Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;
   void backward_weight(Context& ctx, const Tensor& dy, Saved& saved);
   void parameters(ParameterList& out);
+  // The layouts of parameters(), in the same order.
+  void layouts(std::vector<ShardLayout>& out) const;
   // Shards a single-device MLP's weights into this rank's part.
   void load_full(Context& ctx, MLP& full);
 
@@ -117,9 +141,14 @@ class TensorParallelMLP {
 };
 
 // Self-attention with the heads split across the tensor-parallel ranks: each rank projects
-// and attends with num_heads/tp query heads and num_kv_heads/tp K/V heads (both must divide
-// by tp, so a rank's query heads share only its own K/V heads under GQA), then the
-// row-parallel output projection sums the ranks' shares. Same function as nn::SelfAttention.
+// and attends with num_heads/tp query heads, then the row-parallel output projection sums
+// the ranks' shares. Same function as nn::SelfAttention. num_heads must divide by tp. The
+// K/V heads (GQA):
+//   num_kv_heads % tp == 0   split: num_kv_heads/tp per rank, the ones its query heads use
+//   tp % num_kv_heads == 0   replicated: each rank holds the one K/V head its query heads
+//                            use, shared by tp/num_kv_heads neighbouring ranks; the K/V
+//                            weight gradients are summed over those ranks in backward_weight
+//   otherwise                an error naming both numbers
 class TensorParallelSelfAttention {
  public:
   struct Saved : AttentionCoreSaved {
@@ -134,7 +163,12 @@ class TensorParallelSelfAttention {
   Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;
   void backward_weight(Context& ctx, const Tensor& dy, Saved& saved);
   void parameters(ParameterList& out);
+  void layouts(std::vector<ShardLayout>& out) const;
   void load_full(Context& ctx, SelfAttention& full);
+
+  int64_t local_heads() const { return local_heads_; }
+  int64_t local_kv_heads() const { return local_kv_heads_; }
+  bool kv_replicated() const { return kv_group_ != nullptr; }
 
   ColumnParallelLinear qkv;
   RowParallelLinear proj;
@@ -142,6 +176,8 @@ class TensorParallelSelfAttention {
  private:
   AttentionConfig config_;
   int64_t local_heads_, local_kv_heads_;
+  // The ranks that share this rank's K/V head when K/V heads are replicated (else null).
+  std::shared_ptr<dist::ProcessGroup> kv_group_;
 };
 
 }  // namespace tessera::nn

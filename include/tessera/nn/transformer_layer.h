@@ -5,12 +5,20 @@
 // separate add pass over the residual stream is left. In backward each norm adds the
 // residual path's gradient to its input gradient in the same pass. The math, and on the
 // CPU every bit, is that of the unfused block.
+//
+// norm1 and the attention's QKV projection run as one LayerNormLinear, norm2 and the MLP (for
+// dense models) as one LayerNormMLP: the same modules call for call in BF16/F32, and in FP8
+// the norms write the GEMMs' FP8 inputs directly (nn/layernorm_linear.h). The modules keep
+// their places and names (norm1, attn.qkv, norm2, mlp), so parameters and checkpoints are
+// unchanged.
 #pragma once
 
 #include <memory>
 
 #include "tessera/models/config.h"
 #include "tessera/nn/attention.h"
+#include "tessera/nn/layernorm_linear.h"
+#include "tessera/nn/layernorm_mlp.h"
 #include "tessera/nn/mlp.h"
 #include "tessera/nn/moe.h"
 #include "tessera/nn/norm.h"
@@ -28,6 +36,9 @@ class TransformerLayer {
   };
   TransformerLayer(const std::string& name, const models::ModelConfig& config, DType dtype,
                    const ParallelContext& parallel = {});
+  // The fused modules below hold pointers to this layer's own members.
+  TransformerLayer(const TransformerLayer&) = delete;
+  TransformerLayer& operator=(const TransformerLayer&) = delete;
 
   // The block's output, x1 + mlp(norm2(x1)), as its two summands: the residual stream x1
   // and the MLP's output. The next norm adds them (Norm::forward_add).
@@ -53,6 +64,11 @@ class TransformerLayer {
   SelfAttention attn;
   MLP mlp;
   std::unique_ptr<MoELayer> moe;
+
+ private:
+  AttentionConfig attn_config_;
+  LayerNormLinear norm1_qkv_;  // norm1 -> attn.qkv
+  LayerNormMLP norm2_mlp_;     // norm2 -> mlp (dense models)
 };
 
 }  // namespace tessera::nn

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "tessera/core/context.h"
 #include "tessera/core/tensor.h"
@@ -34,5 +35,18 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& tar
 // other overlap is allowed.
 void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& targets, const Tensor& lse,
                             float d_loss, Tensor& d_logits, const CrossEntropyOptions& options = {});
+
+// A training step's loss kept on the device (a step captured into a CUDA graph reads it
+// once, after the replay, instead of once per micro-batch):
+//   total  = 0;  for i in 0..n-1:  total = total + double(chunk_losses[i]) * weights[i]
+//   acc[0] = acc[0] + total / divisor
+// in double, in this order, each operation rounded once (no fused multiply-add), which is
+// the host's own arithmetic: the value is bit for bit what the host computes from the same
+// chunk losses (TransformerLM's weighted mean of its head chunks, divided by the number of
+// micro-batches). chunk_losses: [n] F32 or F64 (n = weights.size(), may be 0); acc: F64
+// [1], read and written; divisor > 0. No host synchronisation, nothing copied from the
+// host (the weights travel as kernel arguments), so it can be captured.
+void accumulate_weighted_loss(Context& ctx, const Tensor& chunk_losses, const std::vector<double>& weights,
+                              double divisor, Tensor& acc);
 
 }  // namespace tessera

@@ -71,4 +71,44 @@ void layernorm_backward_add(Context& ctx, const Tensor& dy, const Tensor& x, con
 void rmsnorm_backward_add(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
                           const Tensor& d_residual_in, Tensor& dx, Tensor& dgamma);
 
+// ---- FP8 output: the norm feeding an FP8 GEMM -------------------------------------------------
+//
+// The norm's y, rounded to x's dtype as the plain op stores it, cast to E4M3 with a per-tensor
+// scale, q = fp8(y * scale[0]) (quantize_per_tensor's rule), and its amax max |y|, without y
+// itself being written unless a copy is asked for. Each op is the plain op followed by
+// quantize_per_tensor: on the CPU literally so (the reference), on CUDA in the norm's own pass
+// (backend/cuda/norm_fp8.cu: x read once, one FP8 byte written per element). mean, rstd and
+// the add forms' sum_out are written exactly as by the plain ops, for their backward, which
+// is unchanged (it needs x and the statistics, never y). Delayed scaling passes the scale it
+// already has; current scaling, whose scale depends on this amax, runs the op without q (the
+// statistics pass), turns the amax into a scale (fp8::scale_from_amax) and casts with the
+// apply op below, which recomputes y from x and the statistics bit for bit.
+struct NormFp8Output {
+  Tensor q;     // E4M3, x's shape, contiguous; undefined: the statistics pass (nothing cast)
+  Tensor amax;  // F32 [1] or undefined: max |y| (NaN if any y is), overwritten; needed without q
+  Tensor y;     // x's shape and dtype, or undefined: a copy of the unquantized output
+};
+
+// scale F32 [1] (read only when out.q is defined); x F32 or BF16 on CUDA (with parameters as
+// for the plain ops). out.amax must not overlap scale; out.y must not overlap x or the sum.
+void layernorm_forward_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                           const Tensor& scale, NormFp8Output& out, Tensor& mean, Tensor& rstd);
+void rmsnorm_forward_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, float eps, const Tensor& scale,
+                         NormFp8Output& out, Tensor& rstd);
+// sum_out = x + residual as in add_layernorm_forward / add_rmsnorm_forward (same aliasing
+// rules: it may be x or residual), then the FP8 forward of that rounded sum.
+void add_layernorm_forward_fp8(Context& ctx, const Tensor& x, const Tensor& residual, const Tensor& gamma,
+                               const Tensor& beta, float eps, const Tensor& scale, Tensor& sum_out,
+                               NormFp8Output& out, Tensor& mean, Tensor& rstd);
+void add_rmsnorm_forward_fp8(Context& ctx, const Tensor& x, const Tensor& residual, const Tensor& gamma, float eps,
+                             const Tensor& scale, Tensor& sum_out, NormFp8Output& out, Tensor& rstd);
+
+// Current scaling's second pass: q = fp8(y * scale[0]) with y recomputed from x (the
+// forward's input, or its sum_out) and the mean and rstd that forward wrote, by the
+// forward's own operations, so q equals what the forward would have cast with this scale.
+void layernorm_apply_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean,
+                         const Tensor& rstd, const Tensor& scale, Tensor& q);
+void rmsnorm_apply_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& scale,
+                       Tensor& q);
+
 }  // namespace tessera

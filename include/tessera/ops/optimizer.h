@@ -10,6 +10,7 @@
 // needs no host synchronisation.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -87,10 +88,24 @@ void global_grad_norm(Context& ctx, const std::vector<Tensor>& grads, Tensor& no
 // own parameter and moments NaN; an Inf norm gives clip = 0, so finite gradients become 0
 // (the step only decays the moments and weights) and the Inf elements become NaN. This is
 // what the earlier per-tensor path did.
+//
+// step_scalars (optional): the learning rate and step count from memory on ctx's device
+// instead of options.lr and options.step, so that a step captured into a CUDA graph
+// replays with each step's values (the host writes them there before each replay). F64 [4]
+// as adamw_step_scalars lays them out; the kernel reads only these values, the host
+// checks them when it computes them. The result is bit for bit that of passing the same
+// lr and step in options.
 void adamw_step_multi(Context& ctx, std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                       std::vector<Tensor>& exp_avgs, std::vector<Tensor>& exp_avg_sqs,
                       std::vector<Tensor>& bf16_values, const AdamWOptions& options,
                       const std::vector<float>& weight_decays, const Tensor& grad_norm, double max_norm,
-                      MultiTensorCache* cache = nullptr);
+                      MultiTensorCache* cache = nullptr, const Tensor& step_scalars = Tensor());
+
+// The per-step scalars of an AdamW step, computed on the host by the CPU reference's
+// expressions (in double, then rounded to float as the kernels use them) and stored exactly
+// as doubles: {lr, step, lr / (1 - beta1^step), sqrt(1 - beta2^step)}. Checks the options
+// as adamw_step_multi does.
+constexpr int64_t kAdamWStepScalars = 4;
+std::array<double, kAdamWStepScalars> adamw_step_scalars(const AdamWOptions& options);
 
 }  // namespace tessera

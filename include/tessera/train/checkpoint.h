@@ -16,6 +16,21 @@
 // snapshot_training_state() copies everything to host memory (the only part the training
 // loop has to wait for), write_checkpoint() serialises a snapshot. Both paths produce the
 // same bytes.
+//
+// Several ranks, one checkpoint (data parallelism; see docs/distributed.md):
+//   OUT/checkpoints/step-000100/model.safetensors, state.json    written by rank 0
+//                              /optimizer.safetensors            rank 0, when every rank holds
+//                                                                the whole optimizer state
+//                              /optimizer-zero1-00001-of-00004.safetensors
+//                                                                each data rank its ZeRO-1 shard
+//                              /manifest.json                    rank 0, once every rank's
+//                                                                files are complete
+// Rank 0 empties "step-NNNNNN.tmp" (begin_checkpoint) before a barrier; then every rank
+// writes its files and a part-RRRRR.json listing them (sizes and CRCs); rank 0 waits for all
+// parts (bounded by the writers' timeout), merges them into the manifest and renames the
+// directory into place as a single-rank save does. A checkpoint of any data-parallel size
+// loads at any other: load_checkpoint re-splits the optimizer moments (a per-parameter
+// optimizer.safetensors and ZeRO-1 shards are two layouts of one flat state).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -29,6 +44,14 @@
 #include "tessera/train/optimizer.h"
 
 namespace tessera::train {
+
+// Who writes one checkpoint: this process is `rank` of `ranks` (all ranks of the job);
+// rank 0 waits at most timeout_s for the others' files (0: forever).
+struct CheckpointWriters {
+  int rank = 0;
+  int ranks = 1;
+  double timeout_s = 300;
+};
 
 struct CheckpointState {
   int64_t step = 0;
@@ -46,17 +69,20 @@ struct CheckpointSnapshot {
   io::NamedTensors params;     // FP32 master weights, CPU
   io::NamedTensors optimizer;  // AdamW moments, CPU; empty without an optimizer
   bool has_optimizer = false;
+  nlohmann::json optimizer_layout;  // OptimizerBase::state_layout(): null per parameter, else a shard
+  CheckpointWriters writers;
   // Pinned host memory the tensors above live in when copied from a GPU (recycled for the
   // next snapshot once this one is gone); empty on the CPU.
   std::vector<std::shared_ptr<void>> host_buffers;
   size_t bytes() const;        // tensor bytes held
 };
 
-CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const Optimizer* optimizer,
-                                           const CheckpointState& state);
+CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const OptimizerBase* optimizer,
+                                           const CheckpointState& state, const CheckpointWriters& writers = {});
 
-// Puts a snapshot back into `model` (and `optimizer`): bit-exact, used by rewinds.
-void restore_snapshot(const CheckpointSnapshot& snapshot, models::TransformerLM& model, Optimizer* optimizer);
+// Puts a snapshot back into `model` (and `optimizer`, of the layout it was taken from):
+// bit-exact, used by rewinds.
+void restore_snapshot(const CheckpointSnapshot& snapshot, models::TransformerLM& model, OptimizerBase* optimizer);
 
 // Which older checkpoints to delete after a successful save. keep_last > 0 keeps the newest
 // keep_last; keep_every > 0 also keeps every step that is a multiple of it. Both 0: keep all.
@@ -66,11 +92,16 @@ struct Retention {
 };
 
 // Writes a snapshot as OUT/checkpoints/step-NNNNNN (replacing an older save of that step),
-// applies `retention` and returns the directory.
+// applies `retention` and returns the directory. With snapshot.writers.ranks > 1 this is
+// this rank's part of a multi-rank save (see the top of this file): begin_checkpoint must
+// have run on rank 0 first, and only rank 0 returns after the directory is complete.
 std::string write_checkpoint(const std::string& out_dir, const CheckpointSnapshot& snapshot, const Retention& retention = {});
 
-// snapshot_training_state + write_checkpoint.
-std::string save_checkpoint(const std::string& out_dir, models::TransformerLM& model, const Optimizer* optimizer,
+// Rank 0 of a multi-rank save, before a barrier of all ranks: an empty step-NNNNNN.tmp.
+void begin_checkpoint(const std::string& out_dir, int64_t step);
+
+// snapshot_training_state + write_checkpoint (one rank).
+std::string save_checkpoint(const std::string& out_dir, models::TransformerLM& model, const OptimizerBase* optimizer,
                             const CheckpointState& state, const Retention& retention = {});
 
 // What is wrong with a checkpoint directory (missing or malformed manifest, a file missing,
@@ -91,12 +122,15 @@ std::vector<std::string> list_checkpoints(const std::string& out_dir);
 std::optional<std::string> latest_checkpoint(const std::string& out_dir, bool warn = true,
                                              std::vector<std::string>* skipped = nullptr);
 
-// Verifies the checkpoint, then loads parameters into `model` (and the moments into
-// `optimizer`). A directory without manifest.json but with state.json (written before
-// manifests existed) loads with a warning; latest_checkpoint() never picks one.
-// Error when it does not verify, when the checkpoint's model config differs
-// (another architecture or shape) or a tensor is missing or malformed.
-CheckpointState load_checkpoint(const std::string& checkpoint_dir, models::TransformerLM& model, Optimizer* optimizer);
+// Verifies the checkpoint (unless `verify` is false: another rank did), then loads
+// parameters into `model` (and the moments into `optimizer`, whatever layout the checkpoint
+// and the optimizer have: per parameter or ZeRO-1 shards of any data-parallel size). A
+// directory without manifest.json but with state.json (written before manifests existed)
+// loads with a warning; latest_checkpoint() never picks one. Error when it does not verify,
+// when the checkpoint's model config differs (another architecture or shape) or a tensor is
+// missing or malformed.
+CheckpointState load_checkpoint(const std::string& checkpoint_dir, models::TransformerLM& model, OptimizerBase* optimizer,
+                                bool verify = true);
 
 // Reads only the model config recorded in a checkpoint (to build the model first).
 models::ModelConfig checkpoint_model_config(const std::string& checkpoint_dir);

@@ -10,6 +10,7 @@
 
 #include <optional>
 
+#include "tessera/dist/parallel_grid.h"
 #include "tessera/fp8/recipe.h"
 #include "tessera/models/config.h"
 
@@ -53,13 +54,25 @@ struct FaultInjectionConfig {
   std::vector<int64_t> nan_grad_at_step;    // a NaN in one gradient before the optimizer step
   std::vector<int64_t> loss_spike_at_step;  // the loss reads 10x (+10) as large
   int64_t nan_grad_from_step = 0;           // > 0: a NaN gradient at this step and every later one (persistent)
+  // rank_fault {rank, step, kind}: world rank `rank` fails when step `step` begins, as a
+  // rank of a multi-process run can: kind "exit" (exits with status 3, no cleanup), "kill"
+  // (SIGKILL to itself) or "hang" (stops answering forever). For testing failure handling.
+  int64_t fault_rank = -1;
+  int64_t fault_step = 0;
+  std::string fault_kind;
 };
 
 struct TrainingConfig {
   int64_t steps = 1000;
   int64_t batch_size = 8;
   int64_t seq_len = 128;
-  int64_t grad_accum = 1;         // micro-batches per step
+  int64_t grad_accum = 1;         // micro-batches per step and data-parallel rank
+  // Sequences per optimizer step over all data-parallel ranks (Megatron's
+  // --global-batch-size); 0: batch_size x grad_accum x data ranks. When set, grad_accum
+  // follows from it (global / (batch_size x data ranks)), so one config trains the same
+  // curve at any data-parallel size.
+  int64_t global_batch_size = 0;
+  dist::ParallelConfig parallel;  // training.parallel (see docs/distributed.md)
   int64_t eval_interval = 100;    // steps between validation losses; 0 disables
   int64_t eval_batches = 10;
   int64_t checkpoint_interval = 0;  // steps between checkpoints; 0: only at the end
@@ -75,6 +88,7 @@ struct TrainingConfig {
   std::string device = "auto";    // auto (cuda when a GPU is present), cpu, cuda
   std::string precision = "auto"; // auto (bf16 on cuda, fp32 on cpu), fp32, bf16
   std::string attention_backend = "auto";  // CUDA attention: auto (faster per shape), tessera, cudnn
+  std::string cuda_graph = "auto";  // capture the step into a CUDA graph: auto (when it can be), on, off
   double max_minutes = 0;         // stop (and checkpoint) after this long; 0: no limit
   std::string init_from;          // start from these weights: a tessera checkpoint or run dir, or a Hugging Face dir
   std::string sample_prompt;      // printed with a sample at the end when non-empty

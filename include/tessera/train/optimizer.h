@@ -2,6 +2,7 @@
 // learning-rate schedule and gradient clipping by global norm.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <utility>
 #include <vector>
 
@@ -15,7 +16,27 @@ namespace tessera::train {
 // lr * min_lr_ratio at `total_steps`.
 double learning_rate(const OptimizerConfig& config, int64_t step, int64_t total_steps);
 
-class Optimizer {
+// What the trainer, checkpoints and rewinds need of an optimizer. train::Optimizer (state
+// replicated on every data-parallel rank) and dist::DistributedOptimizer (ZeRO-1, a shard of
+// the state per rank) implement it.
+class OptimizerBase {
+ public:
+  virtual ~OptimizerBase() = default;
+  // One AdamW update from the parameters' gradients; returns the global gradient norm
+  // before clipping.
+  virtual double step(Context& ctx, double lr) = 0;
+  virtual int64_t steps_taken() const = 0;
+  // The moments as named tensors (handles to the optimizer's own tensors). state_layout()
+  // says how they are laid out: null for one tensor per parameter ("<param>.exp_avg",
+  // "<param>.exp_avg_sq", the whole model); an object for one shard of the flat state
+  // (dist::DistributedOptimizer::state_layout()).
+  virtual std::vector<std::pair<std::string, Tensor>> state() const = 0;
+  virtual nlohmann::json state_layout() const { return nullptr; }
+  // Restores tensors of this optimizer's own layout, and the step count.
+  virtual void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) = 0;
+};
+
+class Optimizer : public OptimizerBase {
  public:
   Optimizer(nn::ParameterList parameters, const OptimizerConfig& config);
 
@@ -24,13 +45,31 @@ class Optimizer {
   // gradient norm before clipping. Three launches on CUDA (global_grad_norm,
   // adamw_step_multi); the host waits once, at the end, to read the norm. The gradients
   // are left unclipped (they are only read).
-  double step(Context& ctx, double lr);
-  int64_t steps_taken() const { return step_; }
+  double step(Context& ctx, double lr) override;
+  int64_t steps_taken() const override { return step_; }
+
+  // The device-resident form, for a step captured into a CUDA graph (train::CudaGraphStep):
+  // queues the work step() does, with the same results, and reads nothing back. The
+  // learning rate and step count come from step_scalars (F64 [4] on ctx's device, as
+  // adamw_step_scalars lays them out: step_scalars_for(lr) is what the next step puts
+  // there, written before the queued work runs); the norm stays in grad_norm().
+  // steps_taken() does not move: call count_step() once for each queued step that ran.
+  void queue_step(Context& ctx, const Tensor& step_scalars);
+  std::array<double, kAdamWStepScalars> step_scalars_for(double lr) const;
+  void count_step() { step_ += 1; }
+  // F64 [1] on the device: the last step's gradient norm, before clipping.
+  const Tensor& grad_norm() const { return norm_; }
+  // The device buffers a step reads besides parameters, gradients and moments (the norm, the
+  // multi-tensor tables), for whoever keeps a captured step to hold on to.
+  std::vector<Tensor> step_buffers() const;
+  // Forgets the multi-tensor tables, which the next step uploads again (after a capture
+  // that was abandoned: its upload, if it made one, never ran).
+  void reset_device_tables();
 
   // Optimizer state as named tensors ("<param>.exp_avg", "<param>.exp_avg_sq") plus the
   // step count, for checkpoints.
-  std::vector<std::pair<std::string, Tensor>> state() const;
-  void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step);
+  std::vector<std::pair<std::string, Tensor>> state() const override;
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) override;
 
  private:
   nn::ParameterList params_;
@@ -39,6 +78,9 @@ class Optimizer {
   Tensor norm_;                                  // F64 [1] on the parameters' device
   MultiTensorCache norm_cache_, adamw_cache_;    // device tables of the two multi-tensor ops
   int64_t step_ = 0;
+
+  AdamWOptions options_for(double lr, int64_t step) const;
+  void queue(Context& ctx, const AdamWOptions& options, const Tensor& step_scalars);
 };
 
 }  // namespace tessera::train

@@ -8,12 +8,19 @@
 // state on a NaN or a spike (training.rewind); one JSON line of metrics per step in
 // OUT/metrics.jsonl, rewinds in OUT/events.jsonl; a live progress line with loss, tokens/s
 // and ETA. See docs/training.md and docs/checkpoints.md.
+//
+// Under a launcher (mpirun -np N, tessera launch --nproc N) every rank calls train() with the
+// same config: each data-parallel rank computes its own micro-batches of every global batch,
+// gradients are averaged (or reduce-scattered by the ZeRO-1 optimizer), rank 0 alone prints
+// and writes metrics, and checkpoints are written by all ranks together. See
+// docs/distributed.md.
 #pragma once
 
 #include <memory>
 #include <string>
 
 #include "tessera/data/tokenizer.h"
+#include "tessera/dist/process_group.h"
 #include "tessera/train/config.h"
 
 namespace tessera::train {
@@ -23,6 +30,9 @@ struct TrainOptions {
   std::string resume_from;  // with resume: this checkpoint directory (verified when it has a manifest) instead of the newest
   bool quiet = false;    // no progress line or summary (tests)
   int64_t stop_after = 0;  // stop (with a checkpoint) after this many steps of this call; 0: run to the end
+  // The ranks of this run: null takes dist::init_from_env() (MPI under mpirun, TCP under
+  // `tessera launch`, else one rank). Tests pass sub-groups to run several sizes in one job.
+  dist::GroupPtr world;
 };
 
 struct TrainResult {

@@ -191,6 +191,34 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, co
   });
 }
 
+// The last loops of layernorm_forward and rmsnorm_forward, on statistics read back.
+void norm_apply(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean, const Tensor& rstd,
+                Tensor& y) {
+  dispatch_compute_type(x.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t cols = x.size(-1), rows = rows_of(x, cols);
+    const bool layer = mean.defined(), has_beta = beta.defined();
+    ReadBuffer<T> in(x), g(gamma), b(beta), mean_in(mean), rstd_in(rstd);
+    WriteBuffer<T> out(y);
+#pragma omp parallel for schedule(static) if (x.numel() >= kMinParallelElements)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* xr = in.data() + r * cols;
+      T* yr = out.data() + r * cols;
+      const T rstd_t = rstd_in[r];
+      if (layer) {
+        const T mu_t = mean_in[r];
+        for (int64_t c = 0; c < cols; ++c) {
+          const T normalized = (xr[c] - mu_t) * rstd_t;
+          yr[c] = normalized * g[c] + (has_beta ? b[c] : T(0));
+        }
+      } else {
+        for (int64_t c = 0; c < cols; ++c) yr[c] = xr[c] * rstd_t * g[c];
+      }
+    }
+    out.commit();
+  });
+}
+
 void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor& gamma, const Tensor& beta, double eps,
                            Tensor& sum_out, Tensor& y, Tensor& mean, Tensor& rstd) {
   add(x, residual, sum_out);

@@ -18,4 +18,8 @@ void layernorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& gam
                             Tensor& dbeta);
 void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
                           const Tensor& d_residual_in, Tensor& dx, Tensor& dgamma);
+// y from x and the statistics a forward wrote, with that forward's exact operations
+// (LayerNorm when mean is defined, RMSNorm otherwise); the FP8 apply ops' reference.
+void norm_apply(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean, const Tensor& rstd,
+                Tensor& y);
 }  // namespace tessera::cpu

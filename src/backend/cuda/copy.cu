@@ -42,27 +42,28 @@ __global__ void copy_strided_kernel(T* __restrict__ dst, const T* __restrict__ s
 }
 
 template <typename T>
-void launch(void* dst, const void* src, const Layout& layout) {
+void launch(cudaStream_t stream, void* dst, const void* src, const Layout& layout) {
   int64_t count = 1;
   for (int d = 0; d < layout.dims; ++d) count *= layout.shape[d];
   if (count == 0) return;
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((count + threads - 1) / threads, 132 * 32);
-  copy_strided_kernel<T><<<static_cast<unsigned>(blocks), threads>>>(static_cast<T*>(dst), static_cast<const T*>(src),
+  copy_strided_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<T*>(dst), static_cast<const T*>(src),
                                                                        layout, count);
   TESSERA_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-void fill_zero_bytes(void* ptr, size_t bytes) {
+void fill_zero_bytes(void* stream, void* ptr, size_t bytes) {
   if (bytes == 0) return;
-  TESSERA_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, nullptr));
+  TESSERA_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, static_cast<cudaStream_t>(stream)));
 }
 
-void copy_strided(void* dst, const int64_t* dst_strides, const void* src, const int64_t* src_strides,
+void copy_strided(void* stream, void* dst, const int64_t* dst_strides, const void* src, const int64_t* src_strides,
                   const int64_t* shape, int dims, size_t element_size) {
   TESSERA_CHECK(dims >= 0 && dims <= kMaxDims, "copy_strided: at most ", kMaxDims, " dimensions, got ", dims);
+  auto s = static_cast<cudaStream_t>(stream);
   // Drop size-1 dimensions, then merge neighbours that are contiguous in both tensors.
   Layout l{};
   l.dims = 0;
@@ -81,7 +82,7 @@ void copy_strided(void* dst, const int64_t* dst_strides, const void* src, const 
     l.dims += 1;
   }
   if (l.dims == 0) {  // a single element
-    TESSERA_CUDA_CHECK(cudaMemcpyAsync(dst, src, element_size, cudaMemcpyDeviceToDevice, nullptr));
+    TESSERA_CUDA_CHECK(cudaMemcpyAsync(dst, src, element_size, cudaMemcpyDeviceToDevice, s));
     return;
   }
   // Widen the unit to 16 bytes when the innermost run is contiguous on both sides, its
@@ -98,15 +99,15 @@ void copy_strided(void* dst, const int64_t* dst_strides, const void* src, const 
         l.dst_stride[d] /= int64_t(widen);
         l.src_stride[d] /= int64_t(widen);
       }
-      launch<uint4>(dst, src, l);
+      launch<uint4>(s, dst, src, l);
       return;
     }
   }
   switch (element_size) {
-    case 1: launch<uint8_t>(dst, src, l); break;
-    case 2: launch<uint16_t>(dst, src, l); break;
-    case 4: launch<uint32_t>(dst, src, l); break;
-    case 8: launch<uint64_t>(dst, src, l); break;
+    case 1: launch<uint8_t>(s, dst, src, l); break;
+    case 2: launch<uint16_t>(s, dst, src, l); break;
+    case 4: launch<uint32_t>(s, dst, src, l); break;
+    case 8: launch<uint64_t>(s, dst, src, l); break;
     default: TESSERA_FAIL("copy_strided: element size ", element_size, " is not 1, 2, 4 or 8 bytes");
   }
 }

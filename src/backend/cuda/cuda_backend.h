@@ -15,8 +15,33 @@ namespace tessera::cuda {
 
 bool device_present();
 Allocator& caching_allocator(int device_index);
+// A copy on this thread's current stream of the CUDA device involved (tessera/core/stream.h):
+// cudaMemcpy when that is the default stream; otherwise cudaMemcpyAsync, followed by a
+// synchronisation of that stream when the host is one side.
 void memcpy_any(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void synchronize(void* stream);
+
+// A non-blocking stream on `device` (cudaStreamNonBlocking), and its end (waits for its work;
+// never throws).
+void* create_stream(int device);
+void destroy_stream(int device, void* stream);
+
+// cudaMemcpyAsync on `stream` (any direction; no synchronisation: with host memory, use
+// pinned buffers the host leaves alone until the stream has passed the copy).
+void memcpy_async(void* dst, const void* src, size_t bytes, void* stream);
+
+// Page-locked host memory (cudaHostAlloc), for copies that must not be staged.
+void* pinned_host_alloc(size_t bytes);
+void pinned_host_free(void* ptr);
+
+// Private allocation pools of the caching allocator, for CUDA graphs (runtime.cu says how
+// blocks move between a pool and the general free lists). Pool ids are never 0; selecting
+// 0 returns this thread to the general lists. The selection is per thread and per device.
+uint64_t create_allocation_pool(int device);
+void select_allocation_pool(int device, uint64_t pool);
+uint64_t selected_allocation_pool(int device);
+// Call after the graph that used the pool is destroyed and its stream synchronised.
+void release_allocation_pool(int device, uint64_t pool);
 
 void fill_uniform(void* stream, Tensor& out, float low, float high, uint64_t seed, uint64_t offset);
 void fill_normal(void* stream, Tensor& out, float mean, float std, uint64_t seed, uint64_t offset);

@@ -22,7 +22,9 @@
 // the doubles only. Floor: numel * 4 B (F32 grads) / 4.1 TB/s, 124M parameters -> 0.12 ms.
 //
 // adamw_step_multi: bit-identical to the CPU, as optimizer.cu is: the step's scalars are
-// computed on the host by the CPU's expressions; the per-tensor decay 1 - lr * wd and the
+// computed on the host by the CPU's expressions (adamw_step_scalars), and either passed as
+// kernel arguments or, for a step captured into a CUDA graph, read by every block from a
+// small device buffer the host refills before each replay; the per-tensor decay 1 - lr * wd and the
 // clip factor max_norm / (norm + 1e-6) are computed on the device in double with the
 // round-to-nearest intrinsics (__dmul_rn, __dsub_rn, __dadd_rn, __ddiv_rn: no FMA
 // contraction), which give the host's IEEE results, then rounded once to float; the
@@ -173,11 +175,18 @@ __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, floa
   p = __fsub_rn(__fmul_rn(p, decay), __fmul_rn(c.step_size, __fdiv_rn(mi, denom)));
 }
 
-// norm: F64 when norm_f64, else F32; read only when max_norm > 0.
+// norm: F64 when norm_f64, else F32; read only when max_norm > 0. step_scalars: null, or
+// adamw_step_scalars' four doubles, whose lr, step size and bias correction (floats stored
+// exactly) replace c's.
 template <typename G>
 __global__ void __launch_bounds__(kThreads)
     adamw_multi_kernel(const AdamEntry* entries, int count, AdamScalars c, const void* norm, bool norm_f64,
-                       double max_norm) {
+                       double max_norm, const double* step_scalars) {
+  if (step_scalars) {
+    c.lr = __double2float_rn(step_scalars[0]);
+    c.step_size = __double2float_rn(step_scalars[2]);
+    c.bias_correction2_sqrt = __double2float_rn(step_scalars[3]);
+  }
   const int64_t chunk = blockIdx.x;
   const AdamEntry e = entry_of(entries, count, chunk);
   // The host's clip expression, in double, then rounded to float as scale() received it.
@@ -225,12 +234,10 @@ __global__ void __launch_bounds__(kThreads)
 
 // The CPU reference's scalar expressions (T = float), evaluated the same way.
 AdamScalars scalars_for(const AdamWOptions& options) {
-  const double step = static_cast<double>(options.step);
-  const double bias_correction1 = 1.0 - std::pow(static_cast<double>(options.beta1), step);
-  const double bias_correction2 = 1.0 - std::pow(static_cast<double>(options.beta2), step);
+  const auto step = adamw_step_scalars(options);
   AdamScalars c;
-  c.step_size = static_cast<float>(static_cast<double>(options.lr) / bias_correction1);
-  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  c.step_size = static_cast<float>(step[2]);
+  c.bias_correction2_sqrt = static_cast<float>(step[3]);
   c.beta1 = options.beta1;
   c.beta2 = options.beta2;
   c.one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(options.beta1));
@@ -327,7 +334,7 @@ void adamw_step_multi(void* stream, std::vector<Tensor>& params, const std::vect
                       std::vector<Tensor>& exp_avgs, std::vector<Tensor>& exp_avg_sqs,
                       std::vector<Tensor>& bf16_values, const AdamWOptions& options,
                       const std::vector<float>& weight_decays, const Tensor& grad_norm, double max_norm,
-                      MultiTensorCache& cache) {
+                      MultiTensorCache& cache, const Tensor& step_scalars) {
   auto s = static_cast<cudaStream_t>(stream);
   DType dtype;
   uniform_f32_or_bf16(grads, &dtype);
@@ -359,8 +366,8 @@ void adamw_step_multi(void* stream, std::vector<Tensor>& params, const std::vect
   const int count = static_cast<int>(rows.size());
   vec::dispatch(dtype, "adamw_step_multi", [&](auto* tag) {
     using G = std::remove_pointer_t<decltype(tag)>;
-    adamw_multi_kernel<G><<<static_cast<unsigned>(chunks), kThreads, 0, s>>>(table, count, c, norm, norm_f64,
-                                                                             max_norm);
+    adamw_multi_kernel<G><<<static_cast<unsigned>(chunks), kThreads, 0, s>>>(
+        table, count, c, norm, norm_f64, max_norm, step_scalars.defined() ? step_scalars.data<double>() : nullptr);
   });
   TESSERA_CUDA_CHECK_LAUNCH();
 }

@@ -16,12 +16,14 @@ void global_grad_norm(void* stream, const std::vector<Tensor>& grads, Tensor& no
 
 // params (and so the moments) F32; grads all F32 or all BF16; values BF16 or undefined;
 // grad_norm F32, F64 or undefined (max_norm == 0). Bit-identical to the CPU reference.
+// step_scalars: undefined, or F64 [4] on the device (adamw_step_scalars' layout), whose lr,
+// step size and bias correction replace those of options.
 bool adamw_step_multi_supported(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                                 const Tensor& grad_norm);
 void adamw_step_multi(void* stream, std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                       std::vector<Tensor>& exp_avgs, std::vector<Tensor>& exp_avg_sqs,
                       std::vector<Tensor>& bf16_values, const AdamWOptions& options,
                       const std::vector<float>& weight_decays, const Tensor& grad_norm, double max_norm,
-                      MultiTensorCache& cache);
+                      MultiTensorCache& cache, const Tensor& step_scalars = Tensor());
 
 }  // namespace tessera::cuda

@@ -35,6 +35,13 @@
 // the backward (128 registers a thread for the row plus the dgamma/dbeta partials: 16 warps
 // per SM), see bench/RESULTS.md.
 //
+// Output sinks: the forward kernels hand each computed vector of y (in float, before the
+// rounding to the storage type) to a sink, a template parameter: StoreY stores it in x's
+// dtype (the plain ops); norm_fp8.cu's sink casts it to FP8 and takes its amax instead, so
+// the normalized activation need not be written at all. A sink is called as sink.begin()
+// once per thread, sink.store<N>(i, v) per vector (elements i..i+N-1, i a multiple of N),
+// and sink.finish() once at the end by every thread of the block (it may reduce over it).
+//
 // Fused residual add (kAdd): forward forms sum = x + residual in float, rounds it to the
 // storage dtype exactly as the add kernel does, stores it and normalizes the ROUNDED value,
 // so the result equals add() followed by the plain norm. Backward rounds the norm's dx to
@@ -188,6 +195,20 @@ __device__ __forceinline__ float round_to_storage(float v) {
   else return bf16_bits_to_float(float_to_bf16_bits(v));
 }
 
+// The plain ops' sink: y in the storage type T.
+template <typename T>
+struct StoreY {
+  T* y;
+  __device__ __forceinline__ void begin() {}
+  template <int N>
+  __device__ __forceinline__ void store(int64_t i, const float* v) {
+    store_vec<T, N>(y + i, v);
+  }
+  __device__ __forceinline__ void finish() {}
+  // Whether vectors of `vec` elements can be stored (the launcher's alignment check).
+  bool aligned_for(int /*vec*/) const { return reinterpret_cast<uintptr_t>(y) % 16 == 0; }
+};
+
 // ---- Row-group reduction -------------------------------------------------------------------
 
 // Sums v over the blockDim.x threads of a row group; every thread of the group receives the
@@ -226,10 +247,10 @@ __device__ __forceinline__ void group_sum(double (&v)[K], double (*shared)[32]) 
 // shuffles of narrow groups sharing a warp need the whole warp).
 // kAdd: the row normalized is sum = x + residual, rounded to T and stored (residual and sum
 // are null otherwise).
-template <typename T, int VEC, int NV, bool kLayer, bool kAdd>
+template <typename T, int VEC, int NV, bool kLayer, bool kAdd, typename Sink>
 __global__ void __launch_bounds__(kMaxGroupThreads)
-    norm_forward_kernel(const T* x, const T* residual, T* sum, Param gamma, Param beta, T* y, float* mean, float* rstd,
-                        int64_t rows, int64_t cols, double eps) {
+    norm_forward_kernel(const T* x, const T* residual, T* sum, Param gamma, Param beta, Sink sink, float* mean,
+                        float* rstd, int64_t rows, int64_t cols, double eps) {
   // Two buffers per reduction, alternating by step: a step's reduction reuses the buffer of
   // two steps back, which every thread has left (it passed the barrier of the step between).
   __shared__ double red[2][2][1][32];
@@ -253,6 +274,7 @@ __global__ void __launch_bounds__(kMaxGroupThreads)
   // prefetched words would not fit in registers next to the row.
   constexpr bool kPrefetch = NV * VEC * int(sizeof(T)) <= 64;
   if (kPrefetch) fetch(group);
+  sink.begin();
 
 #pragma unroll 1
   for (int64_t step = 0; step < steps; ++step) {
@@ -355,9 +377,10 @@ __global__ void __launch_bounds__(kMaxGroupThreads)
       for (int k = 0; k < VEC; ++k)
         out[k] = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[j][k], mu_t), rstd_t), g[k]), b[k])
                         : __fmul_rn(__fmul_rn(v[j][k], rstd_t), g[k]);
-      store_vec<T, VEC>(y + base + c, out);
+      sink.template store<VEC>(base + c, out);
     }
   }
+  sink.finish();
 }
 
 // Worker w = blockIdx.x * blockDim.y + threadIdx.y takes rows [rows*w/W, rows*(w+1)/W); all
@@ -507,11 +530,12 @@ __device__ __forceinline__ float load_param1(const Param& p, int64_t i) {
 
 // kAdd: the first pass forms and stores sum = x + residual; the later passes re-read the row
 // from sum, each thread only the elements it wrote itself.
-template <typename T, bool kLayer, bool kAdd>
+template <typename T, bool kLayer, bool kAdd, typename Sink>
 __global__ void __launch_bounds__(kWideThreads)
-    norm_forward_wide_kernel(const T* x, const T* residual, T* sum, Param gamma, Param beta, T* y, float* mean,
+    norm_forward_wide_kernel(const T* x, const T* residual, T* sum, Param gamma, Param beta, Sink sink, float* mean,
                              float* rstd, int64_t cols, double eps) {
   __shared__ double red[2][1][32];
+  sink.begin();
   const int64_t base = int64_t(blockIdx.x) * cols;
   double acc[1] = {0};
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -548,8 +572,9 @@ __global__ void __launch_bounds__(kWideThreads)
     if (kLayer)
       out[0] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v, mu_t), rstd_t), g), beta.ptr ? load_param1(beta, c) : 0.0f);
     else out[0] = __fmul_rn(__fmul_rn(v, rstd_t), g);
-    store_vec<T, 1>(y + base + c, out);
+    sink.template store<1>(base + c, out);
   }
+  sink.finish();
 }
 
 template <typename T, bool kLayer>

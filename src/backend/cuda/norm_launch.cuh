@@ -86,10 +86,11 @@ void dispatch_storage(DType t, Fn&& fn) {
 }
 
 // kAdd: residual and sum are the fused add's operand and output (null otherwise); the
-// front end has checked that they are x's shape and dtype.
-template <bool kLayer, bool kAdd>
-void norm_forward(void* stream, const Tensor& x, const Tensor* residual, Tensor* sum, const Tensor& gamma,
-                  const Tensor& beta, double eps, Tensor& y, Tensor* mean, Tensor& rstd) {
+// front end has checked that they are x's shape and dtype. make_sink(T* tag) returns the
+// kernels' output sink for storage type T (norm_kernels.cuh): StoreY<T>{y} for the plain ops.
+template <bool kLayer, bool kAdd, typename MakeSink>
+void norm_forward_to(void* stream, const Tensor& x, const Tensor* residual, Tensor* sum, const Tensor& gamma,
+                     const Tensor& beta, double eps, MakeSink&& make_sink, Tensor* mean, Tensor& rstd) {
   const int64_t cols = x.size(-1), rows = x.numel() / cols;
   if (rows == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
@@ -98,23 +99,25 @@ void norm_forward(void* stream, const Tensor& x, const Tensor* residual, Tensor*
   dispatch_storage(x.dtype(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kVec = 16 / sizeof(T);
+    const auto sink = make_sink(tag);
+    using Sink = std::remove_const_t<decltype(sink)>;
     const T* residual_ptr = kAdd ? residual->data<T>() : nullptr;
     T* sum_ptr = kAdd ? sum->data<T>() : nullptr;
-    const bool vectorized = cols % kVec == 0 && aligned(x.raw_data(), 16) && aligned(y.raw_data(), 16) &&
+    const bool vectorized = cols % kVec == 0 && aligned(x.raw_data(), 16) && sink.aligned_for(kVec) &&
                             param_aligned(gamma, kVec) && param_aligned(beta, kVec) &&
                             (!kAdd || (aligned(residual_ptr, 16) && aligned(sum_ptr, 16)));
     const RowConfig cfg = row_config(ceil_div(cols, vectorized ? kVec : 1), 4, kMaxForwardVectors);
     if (cfg.nv == 0) {
       TESSERA_CHECK(rows <= 0x7fffffff, "norm forward on CUDA: ", rows, " rows exceed one grid");
-      norm_forward_wide_kernel<T, kLayer, kAdd><<<unsigned(rows), kWideThreads, 0, s>>>(
-          x.data<T>(), residual_ptr, sum_ptr, g, b, y.data<T>(), mean_ptr, rstd.data<float>(), cols, eps);
+      norm_forward_wide_kernel<T, kLayer, kAdd, Sink><<<unsigned(rows), kWideThreads, 0, s>>>(
+          x.data<T>(), residual_ptr, sum_ptr, g, b, sink, mean_ptr, rstd.data<float>(), cols, eps);
       return;
     }
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       dispatch_nv<kMaxForwardVectors>(cfg.nv, [&](auto nv_tag) {
         constexpr int NV = decltype(nv_tag)::value;
-        auto kernel = norm_forward_kernel<T, VEC, NV, kLayer, kAdd>;
+        auto kernel = norm_forward_kernel<T, VEC, NV, kLayer, kAdd, Sink>;
         // Plain norms: one wave of blocks, each group looping over rows and prefetching the
         // next (measured 16384 x 4096 BF16: LayerNorm 55 -> 59%, RMSNorm 72 -> 84% of
         // cudaMemcpy). The fused add reads two rows and keeps both prefetched, which costs it
@@ -125,7 +128,7 @@ void norm_forward(void* stream, const Tensor& x, const Tensor* residual, Tensor*
                                  device_query(reinterpret_cast<const void*>(kernel), cfg.tpr * cfg.rpb, device);
         const int64_t blocks = kAdd ? ceil_div(rows, cfg.rpb) : std::min(ceil_div(rows, cfg.rpb), resident);
         TESSERA_CHECK(blocks <= 0x7fffffff, "norm forward on CUDA: ", rows, " rows exceed one grid");
-        kernel<<<unsigned(blocks), dim3(cfg.tpr, cfg.rpb), 0, s>>>(x.data<T>(), residual_ptr, sum_ptr, g, b, y.data<T>(),
+        kernel<<<unsigned(blocks), dim3(cfg.tpr, cfg.rpb), 0, s>>>(x.data<T>(), residual_ptr, sum_ptr, g, b, sink,
                                                                  mean_ptr, rstd.data<float>(), rows, cols, eps);
       });
     };
@@ -133,6 +136,19 @@ void norm_forward(void* stream, const Tensor& x, const Tensor* residual, Tensor*
     else launch(Int<1>{});
   });
   TESSERA_CUDA_CHECK_LAUNCH();
+}
+
+// The plain ops: y in x's dtype.
+template <bool kLayer, bool kAdd>
+void norm_forward(void* stream, const Tensor& x, const Tensor* residual, Tensor* sum, const Tensor& gamma,
+                  const Tensor& beta, double eps, Tensor& y, Tensor* mean, Tensor& rstd) {
+  norm_forward_to<kLayer, kAdd>(
+      stream, x, residual, sum, gamma, beta, eps,
+      [&](auto* tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        return StoreY<T>{y.data<T>()};
+      },
+      mean, rstd);
 }
 
 // kAdd: d_residual is added to dx (null otherwise).

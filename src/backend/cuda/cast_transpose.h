@@ -1,0 +1,21 @@
+// The fused FP8 cast with transpose on the GPU (backend/cuda/cast_transpose.cu): one read
+// of x [M, K] writes both FP8 copies a per-tensor-scaled QuantizedTensor keeps (the [M, K]
+// codes and their [K, M] transpose, the operand layout Hopper's TN-only FP8 GEMMs need for
+// the backward) and, optionally, max |x|. The bytes are those of quantize_per_tensor then
+// transpose_2d (tessera/fp8/quantized_tensor.h uses this on CUDA in their place).
+#pragma once
+
+#include "tessera/core/tensor.h"
+
+namespace tessera::cuda {
+
+// x F32 or BF16 (other dtypes take the two-op path).
+bool cast_transpose_supported(DType x);
+
+// x [M, K] contiguous; scale F32 [1]; q [M, K] and q_t [K, M] contiguous, both E4M3 or both
+// E5M2; amax_out F32 [1] or undefined. All on the device of `stream`; arguments checked by
+// the caller. amax_out is overwritten (it may be the scale tensor itself: then the amax is
+// taken in a pass of its own after the cast, which read the old scale).
+void cast_transpose(void* stream, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax_out);
+
+}  // namespace tessera::cuda
