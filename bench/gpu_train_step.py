@@ -92,6 +92,21 @@ def gpt2_torch(batch, seq, compile_model, v=50257):
     return model, params, layers, c, v
 
 
+def HfLoss(model):
+    """A Hugging Face causal LM as a module (idx, targets) -> loss, the form the step times."""
+    import torch
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, idx, targets):
+            return self.m(input_ids=idx, labels=targets).loss
+
+    return Wrap(model)
+
+
 def llama_torch(batch, seq, compile_model):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -103,15 +118,7 @@ def llama_torch(batch, seq, compile_model):
     model = LlamaForCausalLM(cfg).cuda()
     params = sum(p.numel() for p in model.parameters())
 
-    class Wrap(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, idx, targets):
-            return self.m(input_ids=idx, labels=targets).loss
-
-    return Wrap(model), params, 16, 2048, 128256
+    return HfLoss(model), params, 16, 2048, 128256
 
 
 # 2 layers of Mixtral-8x7B (8 experts top-2, hidden 4096, ffn 14336 per expert, GQA 32/8).
@@ -133,15 +140,7 @@ def mixtral2_torch(batch, seq, compile_model):
     cfg._attn_implementation = "sdpa"
     model = MixtralForCausalLM(cfg).cuda()
 
-    class Wrap(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, idx, targets):
-            return self.m(input_ids=idx, labels=targets).loss
-
-    return Wrap(model), active_params(model), m["num_layers"], m["hidden_size"], m["vocab_size"]
+    return HfLoss(model), active_params(model), m["num_layers"], m["hidden_size"], m["vocab_size"]
 
 
 def active_params(model):

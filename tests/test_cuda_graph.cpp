@@ -42,16 +42,6 @@ ModelConfig small(const char* arch) {
   return c;
 }
 
-Tensor random_ids(const Shape& shape, int64_t vocab, uint64_t seed) {
-  std::vector<int64_t> ids(static_cast<size_t>(shape_numel(shape)));
-  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& id : ids) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    id = static_cast<int64_t>((s >> 33) % static_cast<uint64_t>(vocab));
-  }
-  return Tensor::from_ints(ids, shape);
-}
-
 std::vector<double> bits_of(const Tensor& t) { return t.to_doubles(); }
 
 nlohmann::json tiny_run(const std::string& dir, const std::string& text) {

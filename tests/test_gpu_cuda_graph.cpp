@@ -51,16 +51,6 @@ ModelConfig small(const char* arch, int64_t intermediate = 344) {
   return c;
 }
 
-Tensor random_ids(const Shape& shape, int64_t vocab, uint64_t seed) {
-  std::vector<int64_t> ids(static_cast<size_t>(shape_numel(shape)));
-  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& id : ids) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    id = static_cast<int64_t>((s >> 33) % static_cast<uint64_t>(vocab));
-  }
-  return Tensor::from_ints(ids, shape);
-}
-
 // Sets the attention backend for a scope.
 struct AttentionBackendScope {
   AttentionBackend previous = attention_backend();

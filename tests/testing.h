@@ -26,6 +26,18 @@ inline Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, floa
   return t;
 }
 
+// A CPU I64 tensor of token ids uniform in [0, vocab), from a small LCG seeded by `seed`
+// (the same ids on every machine, without touching the Philox stream of the weights).
+inline Tensor random_ids(const Shape& shape, int64_t vocab, uint64_t seed) {
+  std::vector<int64_t> ids(static_cast<size_t>(shape_numel(shape)));
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& id : ids) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    id = static_cast<int64_t>((s >> 33) % static_cast<uint64_t>(vocab));
+  }
+  return Tensor::from_ints(ids, shape);
+}
+
 // ||got - want|| / ||want|| (or ||got - want|| when want is all zeros).
 inline double relative_error(const std::vector<double>& got, const std::vector<double>& want) {
   EXPECT_EQ(got.size(), want.size());
