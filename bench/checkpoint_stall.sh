@@ -3,7 +3,10 @@
 # Llama-3.2-1B-shaped model (1.24B parameters; a checkpoint holds BF16 weights, FP32
 # masters and both Adam moments, about 17 GB). Runs `tessera train` twice on the same config
 # and seed, differing only in training.async_checkpoint, and prints the trainer's own
-# end-of-run line (mean and largest stall per checkpoint) for each.
+# end-of-run line (mean and largest stall per checkpoint) and each save's metrics line
+# (its stall, and the part of it spent waiting for the previous write) for each. The disk
+# decides how long a write takes; an asynchronous save only stalls for the copy to pinned
+# host memory when the previous write has finished.
 #
 #   bench/checkpoint_stall.sh BUILD_DIR [OUT_DIR]
 #
@@ -32,12 +35,12 @@ optimizer: {lr: 0.0003, warmup_steps: 5}
 training:
   device: cuda
   precision: bf16
-  steps: 30
+  steps: 40
   batch_size: 4
   seq_len: 2048
   eval_interval: 0
   log_interval: 10
-  checkpoint_interval: 10
+  checkpoint_interval: 20
   checkpoint_keep_last: 1
   rewind: {enabled: false}
   seed: 7
@@ -48,6 +51,8 @@ for mode in true false; do
   echo "=== async_checkpoint: $mode ==="
   "$build/tessera" train "$out/llama-1b.yaml" --set training.async_checkpoint=$mode \
     --set training.out_dir="$dir" 2>&1 | grep -E "checkpoint|stalled|tokens/s|error" | tail -8
+  # Each save's own stall and how much of it was waiting for the previous write.
+  grep checkpoint_stall_ms "$dir/metrics.jsonl" 2>/dev/null || true
   du -sh "$dir" 2>/dev/null || true
   rm -rf "$dir"
 done

@@ -2,6 +2,7 @@
 # `tessera train` on several ranks, end to end through the command line:
 #   - `tessera launch --nproc 2 train` gives the 1-rank curve (same global batch), rank 0
 #     alone prints, the checkpoint holds both ranks' parts and resumes on 1 rank;
+#   - the same with training.parallel.tensor=2 (one tensor-parallel group of 2);
 #   - a rank that exits makes the launcher stop the other and exit non-zero at once; a rank
 #     that hangs makes the others stop within training.parallel.timeout_s;
 #   - the same under mpirun when its command is given (the MPI watchdog for the hang).
@@ -61,6 +62,14 @@ rm -rf "$work/two/checkpoints/step-000006"
 "$tessera" train "$work/run.yaml" --set training.out_dir="$work/two" --resume > "$work/resume.log"
 grep -q "resumed from .*step-000003" "$work/resume.log"
 same_curve "$work/two" "$work/one" "2 ranks resumed on 1"
+
+# Tensor parallelism: 2 ranks as one TP group (the plain optimizer, clipping by the model's
+# norm) give the 1-rank curve; the checkpoint is in the single-device layout, written by rank 0.
+"$tessera" launch --nproc 2 train "$work/run.yaml" --set training.out_dir="$work/tp2" \
+  --set training.parallel.tensor=2 --set training.parallel.distributed_optimizer=false > "$work/tp2.log" 2> "$work/tp2.err"
+same_curve "$work/tp2" "$work/one" "launch --nproc 2 with training.parallel.tensor=2"
+grep -q '^train: tensor parallel x 2' "$work/tp2.log"
+[ -s "$work/tp2/checkpoints/step-000006/optimizer.safetensors" ]
 
 # A rank that exits: the launcher stops the other at once and names the rank.
 expect_failure 30 "rank 1 (pid [0-9]*) exited with status 3" launch_exit \

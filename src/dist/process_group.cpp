@@ -264,9 +264,11 @@ ParallelConfig ParallelConfig::from_json(const nlohmann::json& j) {
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& key = it.key();
     const nlohmann::json& v = it.value();
-    if (key == "sequence_parallel" || key == "distributed_optimizer") {
+    if (key == "sequence_parallel" || key == "distributed_optimizer" || key == "overlap_grad_reduce") {
       TESSERA_CHECK(v.is_boolean(), "parallel.", key, ": expected true or false, got ", safe_dump(v));
-      (key == "sequence_parallel" ? c.sequence_parallel : c.distributed_optimizer) = v.get<bool>();
+      (key == "sequence_parallel"       ? c.sequence_parallel
+       : key == "distributed_optimizer" ? c.distributed_optimizer
+                                        : c.overlap_grad_reduce) = v.get<bool>();
       continue;
     }
     if (key == "timeout_s") {
@@ -276,9 +278,12 @@ ParallelConfig ParallelConfig::from_json(const nlohmann::json& j) {
       continue;
     }
     TESSERA_CHECK(key == "data" || key == "tensor" || key == "pipeline" || key == "bucket_mb", "parallel: unknown key \"",
-                  key, "\" (known: data, tensor, pipeline, sequence_parallel, bucket_mb, distributed_optimizer, timeout_s)");
-    TESSERA_CHECK(v.is_number_integer() && v.get<int64_t>() >= (key == "data" ? 0 : 1) && v.get<int64_t>() <= 1 << 20,
-                  "parallel.", key, ": expected an integer >= ", key == "data" ? 0 : 1, ", got ", safe_dump(v));
+                  key, "\" (known: data, tensor, pipeline, sequence_parallel, bucket_mb, distributed_optimizer, timeout_s, ",
+                  "overlap_grad_reduce)");
+    // data 0: what is left; bucket_mb 0: a bucket per parameter.
+    const int64_t least = key == "data" || key == "bucket_mb" ? 0 : 1;
+    TESSERA_CHECK(v.is_number_integer() && v.get<int64_t>() >= least && v.get<int64_t>() <= 1 << 20, "parallel.", key,
+                  ": expected an integer >= ", least, ", got ", safe_dump(v));
     const int n = v.get<int>();
     if (key == "data") c.data = n;
     if (key == "tensor") c.tensor = n;
@@ -292,7 +297,7 @@ nlohmann::json ParallelConfig::to_json() const {
   return {{"data", data},           {"tensor", tensor},
           {"pipeline", pipeline},   {"sequence_parallel", sequence_parallel},
           {"bucket_mb", bucket_mb}, {"distributed_optimizer", distributed_optimizer},
-          {"timeout_s", timeout_s}};
+          {"timeout_s", timeout_s}, {"overlap_grad_reduce", overlap_grad_reduce}};
 }
 
 ParallelGrid::ParallelGrid(Context& ctx, GroupPtr world_, const ParallelConfig& config)

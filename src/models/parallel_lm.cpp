@@ -15,6 +15,7 @@
 // gradients (and gradient accumulation over micro-batches sums each once).
 #include "models/parallel_lm.h"
 
+#include <algorithm>
 #include <map>
 
 #include "tessera/dist/process_group.h"
@@ -198,8 +199,10 @@ double TransformerLM::TensorParallelParts::forward_backward(TransformerLM& m, Co
     m.positions_seq_ = seq;
   }
   Saved saved;
+  m.grads_notified_.clear();
   const Tensor h = trunk_forward(m, ctx, inputs, saved);
-  SequenceParallelGrads sp_grads(ctx, sequence_parallel_parameters(m));
+  const nn::ParameterList sp_params = sequence_parallel_parameters(m);
+  SequenceParallelGrads sp_grads(ctx, sp_params);
   Tensor d = Tensor::empty(h.shape(), m.dtype_, ctx.device);
   const nn::VocabParallelLMHead::Loss loss = head->loss(ctx, h, targets, &d, scale, kIgnoreIndex);
   d = m.final_norm.backward_input(ctx, d, saved.final_norm);
@@ -207,6 +210,14 @@ double TransformerLM::TensorParallelParts::forward_backward(TransformerLM& m, Co
     const Tensor dy = d;
     d = layers[i]->backward_input(ctx, dy, saved.layers[i]);
     layers[i]->backward_weight(ctx, dy, saved.layers[i]);
+    if (m.grad_ready_) {
+      // Final now, except the norms under sequence parallelism (summed over the group below).
+      nn::ParameterList all, done;
+      layers[i]->parameters(all);
+      for (nn::Parameter* p : all)
+        if (std::find(sp_params.begin(), sp_params.end(), p) == sp_params.end()) done.push_back(p);
+      m.notify_grads_ready(ctx, done);
+    }
   }
   const Tensor d_full = embedding->gather_grad(ctx, d);
   embedding->backward_weight(ctx, d_full, saved.embed);
@@ -214,6 +225,7 @@ double TransformerLM::TensorParallelParts::forward_backward(TransformerLM& m, Co
   sp_grads.finish(ctx, *group);
   embedding->clear_padding_grad();
   if (head_table) head_table->clear_padding_grad();
+  m.notify_rest(ctx);
   m.last_aux_loss_ = 0;
   return loss.read();
 }

@@ -35,6 +35,22 @@ TransformerLM::TransformerLM(const ModelConfig& config, DType dtype, const nn::P
   if (!config.tie_embeddings) lm_head = nn::Parameter("lm_head.weight", {config.vocab_size, config.hidden_size}, dtype, true);
 }
 
+void TransformerLM::notify_grads_ready(Context& ctx, const nn::ParameterList& ps) {
+  if (!grad_ready_) return;
+  for (nn::Parameter* p : ps) {
+    grads_notified_.push_back(p);
+    grad_ready_(ctx, *p);
+  }
+}
+
+void TransformerLM::notify_rest(Context& ctx) {
+  if (!grad_ready_) return;
+  std::sort(grads_notified_.begin(), grads_notified_.end());
+  for (nn::Parameter* p : parameters())
+    if (!std::binary_search(grads_notified_.begin(), grads_notified_.end(), p)) grad_ready_(ctx, *p);
+  grads_notified_.clear();
+}
+
 nn::ParameterList TransformerLM::parameters() {
   if (tp_) return tp_->parameters(*this);
   nn::ParameterList out{&token_embedding};
@@ -232,7 +248,9 @@ double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const
   // from pageable host memory waits for the GPU to drain, which costs nothing only here.
   const Tensor ids = inputs.to(ctx.device), device_targets = targets.to(ctx.device);
   Saved saved;
+  grads_notified_.clear();
   const HeadLoss loss = forward_backward_queued(ctx, ids, &targets, device_targets, scale, saved);
+  notify_rest(ctx);  // embedding, positions, final norm, head: final once the backward is
   double total = loss.read();  // the step's only wait for the GPU, after its whole backward is queued
   last_aux_loss_ = 0;
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -295,6 +313,11 @@ TransformerLM::HeadLoss TransformerLM::forward_backward_queued(Context& ctx, con
     const Tensor dy = d;
     d = layers[i]->backward_input(ctx, dy, saved.layers[i]);
     layers[i]->backward_weight(ctx, dy, saved.layers[i]);
+    if (grad_ready_) {
+      nn::ParameterList done;
+      layers[i]->parameters(done);
+      notify_grads_ready(ctx, done);
+    }
   }
   embedding_backward(ctx, ids.reshape({batch * seq}), d, token_embedding.grad);
   if (position_embedding.value.defined()) embedding_backward(ctx, positions_, d, position_embedding.grad);

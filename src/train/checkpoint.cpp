@@ -87,14 +87,20 @@ class PinnedPool {
   std::multimap<size_t, void*> free_;
 };
 
+// The bytes of the one pinned buffer copy_to_host takes for `tensors`' GPU tensors.
+constexpr size_t kPinnedAlign = 256;
+size_t pinned_bytes(const std::vector<std::pair<std::string, const Tensor*>>& tensors) {
+  size_t total = 0;
+  for (const auto& [name, t] : tensors)
+    if (t->device().is_cuda()) total += (t->nbytes() + kPinnedAlign - 1) / kPinnedAlign * kPinnedAlign;
+  return total;
+}
+
 // Copies the GPU tensors of `tensors` into one pinned buffer (kept alive by `keep`); CPU
 // tensors and everything when pinning fails are copied as host_copy() does.
 void copy_to_host(const std::vector<std::pair<std::string, const Tensor*>>& tensors, io::NamedTensors& out,
                   std::vector<std::shared_ptr<void>>& keep) {
-  constexpr size_t kAlign = 256;
-  size_t total = 0;
-  for (const auto& [name, t] : tensors)
-    if (t->device().is_cuda()) total += (t->nbytes() + kAlign - 1) / kAlign * kAlign;
+  const size_t total = pinned_bytes(tensors);
   std::shared_ptr<void> buffer = total > 0 ? PinnedPool::get(total) : nullptr;
   size_t offset = 0;
   for (const auto& [name, t] : tensors) {
@@ -105,7 +111,7 @@ void copy_to_host(const std::vector<std::pair<std::string, const Tensor*>>& tens
     Tensor host = Tensor::wrap(static_cast<char*>(buffer.get()) + offset, t->shape(), t->dtype(), Device::cpu());
     host.copy_from(*t);
     out.emplace_back(name, host);
-    offset += (t->nbytes() + kAlign - 1) / kAlign * kAlign;
+    offset += (t->nbytes() + kPinnedAlign - 1) / kPinnedAlign * kPinnedAlign;
   }
   if (buffer) keep.push_back(std::move(buffer));
 }
@@ -159,8 +165,48 @@ size_t CheckpointSnapshot::bytes() const {
   return total;
 }
 
+// What snapshot_training_state copies, as (name, tensor) lists: the full-precision weights
+// (FP32 masters of a BF16 model), then the optimizer state.
+namespace {
+using TensorList = std::vector<std::pair<std::string, const Tensor*>>;
+TensorList snapshot_params(models::TransformerLM& model) {
+  TensorList params;
+  for (nn::Parameter* p : model.parameters()) params.emplace_back(p->name, &p->weights());
+  return params;
+}
+}  // namespace
+
+std::vector<size_t> snapshot_buffer_bytes(models::TransformerLM& model, const OptimizerBase* optimizer) {
+  std::vector<size_t> out;
+#if TESSERA_WITH_CUDA
+  if (const size_t bytes = pinned_bytes(snapshot_params(model)); bytes > 0) out.push_back(bytes);
+  if (optimizer) {
+    const auto state = optimizer->state();
+    TensorList moments;
+    for (const auto& [name, t] : state) moments.emplace_back(name, &t);
+    if (const size_t bytes = pinned_bytes(moments); bytes > 0) out.push_back(bytes);
+  }
+#else
+  (void)model;
+  (void)optimizer;
+#endif
+  return out;
+}
+
+void reserve_pinned_host(const std::vector<size_t>& buffer_bytes, int copies) {
+#if TESSERA_WITH_CUDA
+  std::vector<std::shared_ptr<void>> held;  // all at once, so that `copies` distinct buffers exist
+  for (int i = 0; i < copies; ++i)
+    for (size_t bytes : buffer_bytes) held.push_back(PinnedPool::get(bytes));
+#else
+  (void)buffer_bytes;
+  (void)copies;
+#endif
+}
+
 CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const OptimizerBase* optimizer,
-                                           const CheckpointState& state, const CheckpointWriters& writers) {
+                                           const CheckpointState& state, const CheckpointWriters& writers,
+                                           SnapshotLayout layout) {
   CheckpointSnapshot s;
   s.writers = writers;
   s.step = state.step;
@@ -168,10 +214,22 @@ CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const O
   s.config = state.config;
   s.extra = state.extra;
   s.model_config = model.config().to_json();
-  // The full-precision weights (FP32 masters of a BF16 model).
-  std::vector<std::pair<std::string, const Tensor*>> params;
-  for (nn::Parameter* p : model.parameters()) params.emplace_back(p->name, &p->weights());
-  copy_to_host(params, s.params, s.host_buffers);
+  if (model.tensor_parallel() && layout == SnapshotLayout::Full) {
+    // Gathered into the single-device layout on every tensor rank (collective); the
+    // optimizer's moments per parameter whatever its own layout (ZeRO-1 gathers its shards
+    // over the data group first).
+    Context ctx = context_on(model.parameters().front()->weights().device());
+    s.full_layout = true;
+    s.params = model.full_state_dict(ctx);
+    if (optimizer) {
+      s.has_optimizer = true;
+      s.optimizer_step = optimizer->steps_taken();
+      s.optimizer = model.gather_full(ctx, optimizer->per_parameter_state(ctx));
+    }
+    return s;
+  }
+  s.tensor_shards = model.tensor_parallel();
+  copy_to_host(snapshot_params(model), s.params, s.host_buffers);
   if (optimizer) {
     s.has_optimizer = true;
     s.optimizer_step = optimizer->steps_taken();
@@ -185,6 +243,15 @@ CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const O
 }
 
 void restore_snapshot(const CheckpointSnapshot& s, models::TransformerLM& model, OptimizerBase* optimizer) {
+  if (s.full_layout) {
+    Context ctx = context_on(model.parameters().front()->weights().device());
+    model.load_full_state(ctx, s.params);
+    if (optimizer) {
+      TESSERA_CHECK(s.has_optimizer, "restore_snapshot: the snapshot has no optimizer state");
+      optimizer->load_per_parameter_state(model.shard_full(s.optimizer), s.optimizer_step);
+    }
+    return;
+  }
   const auto params = model.parameters();
   TESSERA_CHECK(params.size() == s.params.size(), "restore_snapshot: the snapshot has ", s.params.size(),
                 " parameters, the model ", params.size());
@@ -328,6 +395,8 @@ std::string write_checkpoint(const std::string& out_dir, const CheckpointSnapsho
   const fs::path final_dir = root / step_name(s.step);
   const fs::path tmp_dir = root / (step_name(s.step) + ".tmp");
   const bool several = s.writers.ranks > 1, lead = s.writers.rank == 0;
+  TESSERA_CHECK(!s.tensor_shards, "checkpoint: a snapshot of tensor-parallel shards (SnapshotLayout::Local) cannot be ",
+                "written; checkpoints hold the full layout");
   std::error_code ec;
   if (several) {
     TESSERA_CHECK(fs::is_directory(tmp_dir, ec), "checkpoint: ", tmp_dir.string(), " does not exist (rank 0 prepares it ",
@@ -486,7 +555,15 @@ namespace {
 // The moments of the flat range [begin, end) of `params` laid end to end (list order), from
 // whatever layout the checkpoint holds them in: per parameter (optimizer.safetensors) or
 // ZeRO-1 shards of any data-parallel size. Into exp_avg / exp_avg_sq ([end - begin]).
-void read_moments(const std::string& dir, const nlohmann::json& saved_layout, const nn::ParameterList& params,
+using ParameterSizes = std::vector<std::pair<std::string, int64_t>>;  // name, elements
+
+ParameterSizes sizes_of(const nn::ParameterList& params) {
+  ParameterSizes out;
+  for (const nn::Parameter* p : params) out.emplace_back(p->name, p->numel());
+  return out;
+}
+
+void read_moments(const std::string& dir, const nlohmann::json& saved_layout, const ParameterSizes& params,
                   int64_t begin, int64_t end, Tensor& exp_avg, Tensor& exp_avg_sq) {
   Context cpu = Context::cpu();
   // Copies src (1-D, any float dtype) [src_begin, src_begin + n) into dst [dst_begin, ...).
@@ -502,25 +579,25 @@ void read_moments(const std::string& dir, const nlohmann::json& saved_layout, co
     }
   };
   int64_t total = 0;
-  for (const nn::Parameter* p : params) total += p->numel();
+  for (const auto& p : params) total += p.second;
   if (saved_layout.is_null()) {
     const std::string path = (fs::path(dir) / "optimizer.safetensors").string();
     TESSERA_CHECK(fs::exists(path), "checkpoint: ", dir, " has no optimizer state (optimizer.safetensors)");
     const io::SafetensorsFile file(path);
     int64_t offset = 0;
-    for (const nn::Parameter* p : params) {
-      const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + p->numel());
+    for (const auto& [p_name, p_numel] : params) {
+      const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + p_numel);
       if (lo < hi) {
         for (auto [suffix, out] : {std::pair<const char*, Tensor*>{".exp_avg", &exp_avg}, {".exp_avg_sq", &exp_avg_sq}}) {
-          const std::string name = p->name + suffix;
+          const std::string name = p_name + suffix;
           TESSERA_CHECK(file.contains(name), "optimizer state: missing tensor '", name, "'");
           const Tensor t = file.get(name);
-          TESSERA_CHECK(t.numel() == p->numel(), "optimizer state: '", name, "' has ", t.numel(), " elements, the model's ",
-                        p->name, " ", p->numel());
+          TESSERA_CHECK(t.numel() == p_numel, "optimizer state: '", name, "' has ", t.numel(), " elements, the model's ",
+                        p_name, " ", p_numel);
           copy_part(t, lo - offset, *out, lo - begin, hi - lo);
         }
       }
-      offset += p->numel();
+      offset += p_numel;
     }
     return;
   }
@@ -530,7 +607,7 @@ void read_moments(const std::string& dir, const nlohmann::json& saved_layout, co
   TESSERA_CHECK(saved_total == total, "checkpoint: the optimizer shards in ", dir, " cover ", saved_total,
                 " elements, the model has ", total);
   nlohmann::json names = nlohmann::json::array();
-  for (const nn::Parameter* p : params) names.push_back({p->name, p->numel()});
+  for (const auto& [p_name, p_numel] : params) names.push_back({p_name, p_numel});
   TESSERA_CHECK(saved_layout.at("parameters") == names, "checkpoint: the optimizer shards in ", dir,
                 " were laid out for another parameter list (names or sizes differ from the model's)");
   TESSERA_CHECK(size >= 1, "checkpoint: bad shard count in ", dir);
@@ -575,7 +652,7 @@ void load_optimizer_state(const std::string& dir, const nlohmann::json& state, m
   const int64_t end = want.is_null() ? total : want.at("end").get<int64_t>();
   const DType dtype = params.empty() ? DType::F32 : params[0]->weights().dtype();
   Tensor exp_avg = Tensor::zeros({end - begin}, dtype), exp_avg_sq = Tensor::zeros({end - begin}, dtype);
-  read_moments(dir, saved, params, begin, end, exp_avg, exp_avg_sq);
+  read_moments(dir, saved, sizes_of(params), begin, end, exp_avg, exp_avg_sq);
   if (!want.is_null()) {
     optimizer.load_state({{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}}, step);
     return;
@@ -589,6 +666,46 @@ void load_optimizer_state(const std::string& dir, const nlohmann::json& state, m
     offset += p->numel();
   }
   optimizer.load_state(tensors, step);
+}
+
+// A tensor-parallel model from a checkpoint of any layout (all hold the single-device
+// layout: per-parameter tensors, or ZeRO-1 shards of the full flat state): the full
+// weights and moments, each rank cutting out its shards.
+void load_tensor_parallel(const std::string& dir, const nlohmann::json& state, const io::SafetensorsFile& file,
+                          models::TransformerLM& model, OptimizerBase* optimizer) {
+  const nn::ParameterList params = model.parameters();
+  const std::vector<nn::ShardLayout> layouts = model.shard_layouts();
+  Context ctx = context_on(params.front()->weights().device());
+  models::TransformerLM::NamedTensors full;
+  ParameterSizes sizes;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string& name = params[i]->name;
+    TESSERA_CHECK(file.contains(name), "checkpoint: ", file.path(), " has no tensor '", name, "'");
+    TESSERA_CHECK(file.info(name).shape == layouts[i].full, "checkpoint: '", name, "' has shape ",
+                  shape_to_string(file.info(name).shape), ", the model's full tensor is ",
+                  shape_to_string(layouts[i].full));
+    full.emplace_back(name, file.get(name));
+    int64_t numel = 1;
+    for (int64_t d : layouts[i].full) numel *= d;
+    sizes.emplace_back(name, numel);
+  }
+  model.load_full_state(ctx, full);
+  if (!optimizer) return;
+  full.clear();
+  int64_t total = 0;
+  for (const auto& [name, numel] : sizes) total += numel;
+  const DType dtype = params.front()->weights().dtype();
+  Tensor exp_avg = Tensor::zeros({total}, dtype), exp_avg_sq = Tensor::zeros({total}, dtype);
+  read_moments(dir, state.value("optimizer_layout", nlohmann::json()), sizes, 0, total, exp_avg, exp_avg_sq);
+  models::TransformerLM::NamedTensors moments;
+  int64_t offset = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t n = sizes[i].second;
+    moments.emplace_back(params[i]->name + ".exp_avg", exp_avg.slice(0, offset, offset + n).reshape(layouts[i].full));
+    moments.emplace_back(params[i]->name + ".exp_avg_sq", exp_avg_sq.slice(0, offset, offset + n).reshape(layouts[i].full));
+    offset += n;
+  }
+  optimizer->load_per_parameter_state(model.shard_full(moments), state.value("optimizer_step", int64_t(0)));
 }
 
 }  // namespace
@@ -607,6 +724,9 @@ CheckpointState load_checkpoint(const std::string& dir, models::TransformerLM& m
   TESSERA_CHECK(saved.to_json() == model.config().to_json(), "checkpoint: ", dir, " holds a different model (",
                 saved.to_json().dump(), ") than the one configured (", model.config().to_json().dump(), ")");
   const io::SafetensorsFile file((fs::path(dir) / "model.safetensors").string());
+  if (model.tensor_parallel()) {
+    load_tensor_parallel(dir, state, file, model, optimizer);
+  } else {
   for (nn::Parameter* p : model.parameters()) {
     TESSERA_CHECK(file.contains(p->name), "checkpoint: ", file.path(), " has no tensor '", p->name, "'");
     const io::TensorInfo& info = file.info(p->name);
@@ -624,12 +744,13 @@ CheckpointState load_checkpoint(const std::string& dir, models::TransformerLM& m
     Context ctx = context_on(weights.device());  // the thread's current stream there
     p->refresh_value(ctx);
   }
+  if (optimizer) load_optimizer_state(dir, state, model, *optimizer);
+  }
   CheckpointState out;
   out.step = state.value("step", int64_t(0));
   out.data_position = state.value("data_position", nlohmann::json());
   out.config = state.value("config", nlohmann::json());
   out.extra = state.value("trainer", nlohmann::json());
-  if (optimizer) load_optimizer_state(dir, state, model, *optimizer);
   return out;
 }
 

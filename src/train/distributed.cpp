@@ -78,13 +78,13 @@ DistributedRun::DistributedRun(const RunConfig& config, const Context& device, d
   dist::set_timeout(p.timeout_s);
   if (!world) world = dist::init_from_env();
   check_same_config(*world, config, invocation);
-  TESSERA_CHECK(p.tensor == 1 && p.pipeline == 1, "config: training.parallel.tensor and pipeline must be 1 for now ",
-                "(tensor parallelism is not wired into the trainer yet, pipeline schedules do not exist); got tensor ",
-                p.tensor, ", pipeline ", p.pipeline);
+  TESSERA_CHECK(p.pipeline == 1, "config: training.parallel.pipeline must be 1 for now (pipeline schedules do not ",
+                "exist yet); got ", p.pipeline);
   rt_ = dist::init_from_env(p, device, world);
   zero1_ = p.distributed_optimizer;
   timeout_s_ = p.timeout_s;
   bucket_bytes_ = p.bucket_mb << 20;
+  overlap_ = p.overlap_grad_reduce;
   TESSERA_CHECK(!(config.model.is_moe() && config.model.expert_bias_rate > 0 && data_size() > 1),
                 "config: model.expert_bias_rate > 0 with ", data_size(), " data-parallel ranks: each rank would move ",
                 "its expert biases by its own loads and the replicas would drift apart (not supported yet; set ",
@@ -121,7 +121,9 @@ void DistributedRun::wait_for_all() {
 std::unique_ptr<dist::DistributedOptimizer> DistributedRun::make_zero1(Context& ctx, models::TransformerLM& model,
                                                                        const OptimizerConfig& config) {
   if (!zero1_) return nullptr;
-  return std::make_unique<dist::DistributedOptimizer>(ctx, model.parameters(), rt_.grid->data, config);
+  auto zero1 = std::make_unique<dist::DistributedOptimizer>(ctx, model.parameters(), rt_.grid->data, config);
+  if (model.tensor_parallel()) zero1->set_tensor_parallel(rt_.grid->tensor, model.shard_layouts());
+  return zero1;
 }
 
 void DistributedRun::setup_replicas(Context& ctx, models::TransformerLM& model) {
@@ -132,8 +134,24 @@ void DistributedRun::setup_replicas(Context& ctx, models::TransformerLM& model) 
                                                dist::DataParallelOptions{.bucket_bytes = bucket_bytes_});
 }
 
+void DistributedRun::arm_overlap(models::TransformerLM& model, bool overlap) {
+  armed_ = dp_ && overlap_ && overlap;
+  if (!armed_) {
+    model.set_grad_ready_hook({});
+    return;
+  }
+  dist::DataParallel* dp = dp_.get();
+  model.set_grad_ready_hook([dp](Context& ctx, nn::Parameter& p) { dp->mark_ready(ctx, p); });
+}
+
 void DistributedRun::reduce_gradients(Context& ctx) {
-  if (dp_) dp_->all_reduce_gradients(ctx);
+  if (!dp_) return;
+  if (armed_) {
+    dp_->finish(ctx);  // the buckets the backward started, and any it did not
+    armed_ = false;
+  } else {
+    dp_->all_reduce_gradients(ctx);
+  }
 }
 
 double DistributedRun::sum(double local) {

@@ -40,6 +40,7 @@ class DistributedRun {
   int rank() const { return rt_.rank(); }
   int data_size() const { return rt_.host->data_size(); }
   int data_rank() const { return rt_.host->data_rank(); }
+  int tensor_size() const { return rt_.host->tensor_size(); }
   bool zero1() const { return zero1_; }
 
   // The config this rank runs: grad_accum derived from training.global_batch_size.
@@ -62,14 +63,23 @@ class DistributedRun {
   // dist::ScopedTimeout).
   void wait_for_all();
 
-  // The distributed optimizer when training.parallel.distributed_optimizer is on, else null.
+  // The distributed optimizer when training.parallel.distributed_optimizer is on, else null;
+  // under tensor parallelism its clipping norm is the single-device model's (over data x
+  // tensor, replicated parameters counted once).
   std::unique_ptr<dist::DistributedOptimizer> make_zero1(Context& ctx, models::TransformerLM& model,
                                                          const OptimizerConfig& config);
   // After the weights are final (init, resume, init_from): rank 0's weights to every data
   // rank, and the gradient buckets when the plain optimizer runs on several data ranks.
   void setup_replicas(Context& ctx, models::TransformerLM& model);
+  // Before each micro-batch's forward_backward: with the plain optimizer on several data
+  // ranks and training.parallel.overlap_grad_reduce, `overlap` (the last micro-batch of the
+  // step) makes the model's backward start each gradient bucket's reduction as soon as its
+  // parameters are final (TransformerLM::set_grad_ready_hook -> DataParallel::mark_ready);
+  // otherwise the hook is off.
+  void arm_overlap(models::TransformerLM& model, bool overlap);
   // Averages the gradients over the data ranks (the plain optimizer; ZeRO-1 reduce-scatters
-  // inside its step). After the whole backward: the model has no per-parameter hook yet.
+  // inside its step): waits for the buckets the backward started and reduces the rest, or,
+  // when not armed, reduces every bucket now. The same bits either way.
   void reduce_gradients(Context& ctx);
   // Over the data ranks, in double on the host.
   double average(double local);
@@ -96,6 +106,7 @@ class DistributedRun {
   bool zero1_ = false;
   double timeout_s_ = 0;
   size_t bucket_bytes_ = 0;
+  bool overlap_ = true, armed_ = false;
   std::unique_ptr<dist::DataParallel> dp_;
 };
 

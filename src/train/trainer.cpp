@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "tessera/core/allocator.h"
 #include "tessera/core/numeric.h"
@@ -220,11 +221,20 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
   model.init(ctx, t.seed);
   // ZeRO-1 (training.parallel.distributed_optimizer) shards the optimizer state over the data
   // ranks; the plain optimizer then holds nothing.
+  // Tensor parallelism: each rank holds shards, so the plain optimizer's norm (of this rank's
+  // shards) is not the model's; it steps with its clipping off and the trainer clips by the
+  // single-device norm (model.clip_grad_norm) after the data-parallel reduction. ZeRO-1 sums
+  // the counted squares over data x tensor itself (DistributedOptimizer::set_tensor_parallel).
+  const bool tensor_parallel = model.tensor_parallel();
+  OptimizerConfig plain_config = c.optimizer;
+  if (tensor_parallel) plain_config.grad_clip = 0;
   std::unique_ptr<dist::DistributedOptimizer> zero1 = dist_run.make_zero1(ctx, model, c.optimizer);
-  Optimizer optimizer(zero1 ? nn::ParameterList{} : model.parameters(), c.optimizer);
+  Optimizer optimizer(zero1 ? nn::ParameterList{} : model.parameters(), plain_config);
   OptimizerBase& opt = zero1 ? static_cast<OptimizerBase&>(*zero1) : optimizer;
   std::shared_ptr<nn::Fp8Scaling> fp8_state;
   if (c.fp8) {
+    TESSERA_CHECK(!tensor_parallel, "config: the fp8 section is not built for tensor parallelism (training.parallel.",
+                  "tensor = ", dist_run.tensor_size(), "): FP8 binds the single-device layers only; drop fp8 or use tensor 1");
     TESSERA_CHECK(dtype == DType::BF16, "train: the fp8 section needs BF16 compute (training.precision bf16, ",
                   "or auto on CUDA); this run computes in ", dtype_name(dtype));
     fp8_state = models::enable_fp8(ctx, model, *c.fp8);
@@ -265,7 +275,15 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     // has a config.json too (the run config), but with sections instead.
     const fs::path hf_config = fs::path(t.init_from) / "config.json";
     if (fs::exists(hf_config) && nlohmann::json::parse(io::read_file(hf_config.string()), nullptr, false).contains("model_type")) {
-      models::load_hf_model(t.init_from, model);
+      if (tensor_parallel) {
+        // The importer fills a single-device model; every rank cuts its shards out of it.
+        models::TransformerLM whole(c.model, dtype);
+        models::load_hf_model(t.init_from, whole);
+        Context cpu = Context::cpu();
+        model.load_full_state(ctx, whole.full_state_dict(cpu));
+      } else {
+        models::load_hf_model(t.init_from, model);
+      }
     } else {
       std::string dir = t.init_from;
       if (!fs::exists(fs::path(dir) / "state.json")) {
@@ -305,7 +323,13 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
       std::printf("train: %d ranks (%s): %lld data-parallel x %lld micro-batch(es) of %lld sequences per step, %s\n",
                   dist_run.size(), dist_run.runtime().grid->data->backend(), static_cast<long long>(data_size),
                   static_cast<long long>(t.grad_accum), static_cast<long long>(t.batch_size),
-                  zero1 ? "ZeRO-1 distributed optimizer" : "gradients all-reduced after backward");
+                  zero1                                      ? "ZeRO-1 distributed optimizer"
+                  : !c.training.parallel.overlap_grad_reduce ? "gradients all-reduced after backward"
+                                                             : "gradients all-reduced during backward");
+    if (tensor_parallel)
+      std::printf("train: tensor parallel x %d%s: this rank holds %lld parameters\n", dist_run.tensor_size(),
+                  c.training.parallel.sequence_parallel ? " with sequence parallelism" : "",
+                  static_cast<long long>(model.num_parameters()));
     if (fp8_state)
       std::printf("train: FP8 (%s scaling) in %lld linear layers of the blocks\n", c.fp8->name().c_str(),
                   static_cast<long long>(fp8_state->num_linears()));
@@ -346,6 +370,12 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
   const Retention retention{.keep_last = t.checkpoint_keep_last, .keep_every = t.checkpoint_keep_every};
   std::unique_ptr<AsyncCheckpointer> writer;
   if (t.async_checkpoint) writer = std::make_unique<AsyncCheckpointer>(t.out_dir, retention);
+  // Pin the snapshot buffers while the first steps run: allocated inside the first save,
+  // they stalled it for seconds. Two sets when a rewind snapshot is kept beside the newest.
+  std::jthread pin_snapshot_buffers;
+  if (ctx.device.is_cuda() && (t.checkpoint_interval > 0 || (rw.enabled && rw.snapshot_interval > 0)))
+    pin_snapshot_buffers = std::jthread(reserve_pinned_host, snapshot_buffer_bytes(model, &opt),
+                                        rw.enabled && rw.snapshot_interval > 0 ? 2 : 1);
 
   auto current_state = [&] {
     nlohmann::json skips = nlohmann::json::array();
@@ -368,9 +398,11 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
   auto save = [&] {
     const auto begin = std::chrono::steady_clock::now();
     double waited = 0;
-    // Several ranks: the previous save is complete everywhere (its end cleans up leftover
-    // .tmp directories) before rank 0 empties the one all ranks write this save into.
-    if (writer && dist_run.size() > 1) waited = writer->wait();
+    // The previous save is complete before this one copies the state: its pinned buffer is
+    // free again (the copy reuses it instead of pinning new memory), and with several ranks
+    // its end has cleaned up leftover .tmp directories everywhere before rank 0 empties the
+    // one all ranks write this save into.
+    if (writer) waited = writer->wait();
     dist_run.begin_checkpoint(t.out_dir, step);
     auto snapshot = std::make_shared<const CheckpointSnapshot>(
         snapshot_training_state(model, &opt, current_state(), dist_run.writers()));
@@ -392,7 +424,8 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     if (rw.enabled && rw.snapshot_interval > 0) keep_as_last_good(std::move(snapshot));
   };
   if (rw.enabled && rw.snapshot_interval > 0)
-    keep_as_last_good(std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &opt, current_state())));
+    keep_as_last_good(std::make_shared<const CheckpointSnapshot>(
+        snapshot_training_state(model, &opt, current_state(), {}, SnapshotLayout::Local)));
 
   AnomalyDetector detector(rw);
   std::deque<int64_t> rewinds;  // steps at which rewinds happened, within max_rewinds_window
@@ -498,7 +531,11 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
                       " (lower optimizer.lr or check the data)");
     } else {
       model.zero_grad();
-      for (const data::Batch& b : batches) {
+      for (size_t micro = 0; micro < batches.size(); ++micro) {
+        const data::Batch& b = batches[micro];
+        // The last micro-batch's backward starts the gradient reduction bucket by bucket (not
+        // when a NaN is to be injected between backward and the reduction).
+        dist_run.arm_overlap(model, micro + 1 == batches.size() && !poison_now);
         loss += model.forward_backward(ctx, b.inputs, b.targets, 1.0f / t.grad_accum) / t.grad_accum;
         if (fp8_state) fp8_state->end_micro_batch(ctx);
       }
@@ -510,9 +547,16 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
                       " (lower optimizer.lr or check the data)");
       if (poison_now && main_rank) poison_a_gradient(model);  // the reduction spreads rank 0's NaN to all
       // A step that is rolled back may update with NaNs: the restore undoes it.
+      // The plain optimizer on several data ranks: average the gradients (finishing what the
+      // backward started; also after a NaN loss, so that no reduction is left pending).
+      dist_run.reduce_gradients(ctx);
       if (std::isfinite(loss)) {
-        dist_run.reduce_gradients(ctx);  // the plain optimizer on several data ranks: average the gradients
-        grad_norm = opt.step(ctx, lr);
+        if (tensor_parallel && !zero1) {
+          grad_norm = model.clip_grad_norm(ctx, c.optimizer.grad_clip);  // the single-device norm
+          opt.step(ctx, lr);
+        } else {
+          grad_norm = opt.step(ctx, lr);
+        }
       }
     }
     if (fp8_state) fp8_state->end_step(ctx);                  // delayed scaling: next step's scales
@@ -553,7 +597,8 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
         (t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0) || step == t.steps || out_of_time || stop_now;
     if (checkpoint_now) save();
     if (rw.enabled && rw.snapshot_interval > 0 && step % rw.snapshot_interval == 0 && !checkpoint_now)
-      keep_as_last_good(std::make_shared<const CheckpointSnapshot>(snapshot_training_state(model, &opt, current_state())));
+      keep_as_last_good(std::make_shared<const CheckpointSnapshot>(
+          snapshot_training_state(model, &opt, current_state(), {}, SnapshotLayout::Local)));
     if (out_of_time) {
       if (!quiet) std::printf("\ntrain: stopping after %.1f minutes (training.max_minutes)\n", elapsed / 60);
       break;
@@ -577,13 +622,20 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
                   result.mean_checkpoint_stall_ms, result.max_checkpoint_stall_ms, final_wait_ms);
     if (result.rewinds > 0)
       std::printf("train: %lld rewind(s), see %s/events.jsonl\n", static_cast<long long>(result.rewinds), t.out_dir.c_str());
-    if (!t.sample_prompt.empty()) {
-      std::vector<int32_t> prompt = tokenizer->encode(t.sample_prompt);
-      infer::SamplingOptions sampling{.temperature = 0.8f, .top_k = 0, .top_p = 0.95f, .seed = t.seed,
-                                      .max_new_tokens = t.sample_tokens};
-      const std::vector<int32_t> out = infer::generate(ctx, model, prompt, sampling);
+  }
+  // The sample: rank 0's; under tensor parallelism every rank of each tensor group takes part
+  // (the logits are collective), the same draws everywhere. Not under sequence parallelism,
+  // whose forward needs batch x seq rows divisible by the tensor size (a growing prompt is not).
+  const bool sequence_parallel = tensor_parallel && c.training.parallel.sequence_parallel;
+  if (!quiet && !t.sample_prompt.empty() && sequence_parallel)
+    std::printf("\ntrain: no sample under sequence parallelism (sample from the checkpoint with tessera generate)\n");
+  if (!options.quiet && !t.sample_prompt.empty() && (main_rank || tensor_parallel) && !sequence_parallel) {
+    std::vector<int32_t> prompt = tokenizer->encode(t.sample_prompt);
+    infer::SamplingOptions sampling{.temperature = 0.8f, .top_k = 0, .top_p = 0.95f, .seed = t.seed,
+                                    .max_new_tokens = t.sample_tokens};
+    const std::vector<int32_t> out = infer::generate(ctx, model, prompt, sampling);
+    if (main_rank)
       std::printf("\n--- sample ---\n%s%s\n--------------\n", t.sample_prompt.c_str(), tokenizer->decode(out).c_str());
-    }
   }
   return result;
 }

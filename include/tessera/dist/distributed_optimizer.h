@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "tessera/dist/process_group.h"
+#include "tessera/nn/parallel_layout.h"
 #include "tessera/nn/parameter.h"
 #include "tessera/train/config.h"
 #include "tessera/train/optimizer.h"
@@ -37,6 +38,14 @@ class DistributedOptimizer : public train::OptimizerBase {
   // Collective over `group`. The parameters' full-precision weights must be equal on every
   // rank (DataParallel::broadcast_parameters) and share one dtype and device.
   DistributedOptimizer(Context& ctx, nn::ParameterList parameters, GroupPtr group, const train::OptimizerConfig& config);
+
+  // Tensor parallelism: the parameters are this tensor rank's shards (`layouts`, parallel to
+  // the parameter list: TransformerLM::shard_layouts()), and the clipping norm becomes the
+  // single-device model's: each rank sums the squares of the elements of its range that it
+  // counts (replicated parameters on tensor rank 0 only, K/V rows held by several ranks on
+  // the lowest), then the sum goes over the data group and the tensor group. Call once,
+  // right after construction, on every rank.
+  void set_tensor_parallel(GroupPtr tensor_group, const std::vector<nn::ShardLayout>& layouts);
 
   // Gradients: this rank's, not yet reduced. Returns the global gradient norm before clipping.
   double step(Context& ctx, double lr) override;
@@ -54,6 +63,10 @@ class DistributedOptimizer : public train::OptimizerBase {
   nlohmann::json state_layout() const override;
   // Tensors as state() gives them (this rank's range), and the step count.
   void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) override;
+  // Every parameter's moments (all-gathered over the group: collective), and the reverse
+  // (local: this rank takes its range).
+  std::vector<std::pair<std::string, Tensor>> per_parameter_state(Context& ctx) const override;
+  void load_per_parameter_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) override;
 
  private:
   struct Segment {                  // a parameter's part inside this rank's range
@@ -70,6 +83,8 @@ class DistributedOptimizer : public train::OptimizerBase {
   std::vector<Segment> segments_;
   Tensor flat_grad_, flat_weights_;              // [size * shard]
   Tensor grad_shard_, weights_shard_, exp_avg_, exp_avg_sq_;  // [shard]
+  GroupPtr tensor_group_;                        // set_tensor_parallel; null otherwise
+  std::vector<std::pair<int64_t, int64_t>> norm_pieces_;  // [begin, end) of the shard this rank counts
   int64_t step_ = 0;
 };
 

@@ -5,7 +5,8 @@
 //   world_rank = (pipeline_rank * data + data_rank) * tensor + tensor_rank
 // The config block it reads (training.parallel in a YAML config):
 //   parallel: {data: 2, tensor: 2, pipeline: 1, sequence_parallel: true,
-//              distributed_optimizer: false, timeout_s: 300, bucket_mb: 25}
+//              distributed_optimizer: false, timeout_s: 300, bucket_mb: 25,
+//              overlap_grad_reduce: true}
 // data may be 0 ("whatever is left": world / (tensor * pipeline)).
 #pragma once
 
@@ -21,9 +22,12 @@ struct ParallelConfig {
   int tensor = 1;
   int pipeline = 1;
   bool sequence_parallel = false;
-  size_t bucket_mb = 25;  // DataParallel's bucket size
+  size_t bucket_mb = 25;  // DataParallel's bucket size (0: a bucket per parameter)
   bool distributed_optimizer = false;  // ZeRO-1: shard the optimizer state over the data ranks
   double timeout_s = 300;  // a wait on another rank longer than this stops the run (0: forever)
+  // The trainer starts each gradient bucket's reduction during backward, as soon as its
+  // parameters' gradients are final (false: all buckets after the whole backward).
+  bool overlap_grad_reduce = true;
 
   // From the training.parallel block; unknown keys and bad values are errors naming the key.
   static ParallelConfig from_json(const nlohmann::json& j);

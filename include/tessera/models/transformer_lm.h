@@ -19,6 +19,7 @@
 // at any tensor size. See docs/distributed.md, "Tensor and sequence parallel".
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -120,6 +121,17 @@ class TransformerLM {
   // Returns the norm before clipping. Collective over the tensor group.
   double clip_grad_norm(Context& ctx, double max_norm);
 
+  // Gradient-ready notifications, for a data-parallel reduction that overlaps backward
+  // (dist::DataParallel::mark_ready): forward_backward calls `hook` once per parameter, as
+  // soon as that parameter's gradient of the call is final (accumulated into its grad, and
+  // under tensor parallelism complete over the tensor group): a layer's parameters right
+  // after its backward (layers finish in reverse order), the embedding, positions, final
+  // norm and head, and under sequence parallelism the norms (summed at the end), once the
+  // whole backward is done. Every parameter exactly once per call, in the same order on
+  // every rank. An empty hook (the default) turns it off; the CUDA-graph step never calls it.
+  using GradReadyHook = std::function<void(Context&, nn::Parameter&)>;
+  void set_grad_ready_hook(GradReadyHook hook) { grad_ready_ = std::move(hook); }
+
   nn::ParameterList parameters();
   int64_t num_parameters();  // this rank's (with its vocabulary padding rows) under tensor parallelism
   void zero_grad();
@@ -172,6 +184,11 @@ class TransformerLM {
   Tensor positions_;
   int64_t positions_seq_ = 0;
   double last_aux_loss_ = 0;
+  GradReadyHook grad_ready_;
+  std::vector<const nn::Parameter*> grads_notified_;  // this call's, while a hook is set
+  // The hook for `ps` (a layer's parameters); notify_rest: for every parameter not yet told.
+  void notify_grads_ready(Context& ctx, const nn::ParameterList& ps);
+  void notify_rest(Context& ctx);
 
  public:
   nn::Parameter token_embedding;     // [V, C] (empty under tensor parallelism)

@@ -70,6 +70,10 @@ struct CheckpointSnapshot {
   io::NamedTensors optimizer;  // AdamW moments, CPU; empty without an optimizer
   bool has_optimizer = false;
   nlohmann::json optimizer_layout;  // OptimizerBase::state_layout(): null per parameter, else a shard
+  // A tensor-parallel model's: true when params / optimizer are in the full layout (the
+  // optimizer per parameter), false when they are this rank's shards (`tensor_shards`).
+  bool full_layout = false;
+  bool tensor_shards = false;
   CheckpointWriters writers;
   // Pinned host memory the tensors above live in when copied from a GPU (recycled for the
   // next snapshot once this one is gone); empty on the CPU.
@@ -77,10 +81,29 @@ struct CheckpointSnapshot {
   size_t bytes() const;        // tensor bytes held
 };
 
-CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const OptimizerBase* optimizer,
-                                           const CheckpointState& state, const CheckpointWriters& writers = {});
+// Which layout a snapshot of a tensor-parallel model holds (the same at tensor size 1).
+//   Full   the single-device layout (TransformerLM::full_state_dict, the optimizer's
+//          per_parameter_state gathered with gather_full): what checkpoints hold, so that
+//          they load at any data and tensor size. Collective over the tensor group (and the
+//          data group for ZeRO-1); every rank gets the whole state, world rank 0 writes it.
+//   Local  this rank's shards as they are (in-memory rewind snapshots; not writable).
+enum class SnapshotLayout { Full, Local };
 
-// Puts a snapshot back into `model` (and `optimizer`, of the layout it was taken from):
+CheckpointSnapshot snapshot_training_state(models::TransformerLM& model, const OptimizerBase* optimizer,
+                                           const CheckpointState& state, const CheckpointWriters& writers = {},
+                                           SnapshotLayout layout = SnapshotLayout::Full);
+
+// Page-locking the host buffers of a snapshot ahead of time. Pinning 14 GB (the Llama-1B
+// state) takes seconds; done on a background thread at the start of a run, the first
+// checkpoints no longer stall training for it. snapshot_buffer_bytes (on the training
+// thread) gives the sizes of the buffers snapshot_training_state takes (none without
+// CUDA); reserve_pinned_host (on any thread) pins `copies` sets of them and leaves them in
+// the pool that snapshot_training_state draws from.
+std::vector<size_t> snapshot_buffer_bytes(models::TransformerLM& model, const OptimizerBase* optimizer);
+void reserve_pinned_host(const std::vector<size_t>& buffer_bytes, int copies);
+
+// Puts a snapshot back into `model` (and `optimizer`, of the layout it was taken from; a
+// full-layout snapshot of a tensor-parallel model is cut into this rank's shards):
 // bit-exact, used by rewinds.
 void restore_snapshot(const CheckpointSnapshot& snapshot, models::TransformerLM& model, OptimizerBase* optimizer);
 

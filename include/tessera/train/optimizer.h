@@ -34,6 +34,15 @@ class OptimizerBase {
   virtual nlohmann::json state_layout() const { return nullptr; }
   // Restores tensors of this optimizer's own layout, and the step count.
   virtual void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) = 0;
+  // The moments one tensor per parameter ("<param>.exp_avg", "<param>.exp_avg_sq", in the
+  // parameters' shapes) whatever the layout: state() for train::Optimizer; ZeRO-1 gathers
+  // its shards over the data group (collective). Tensor-parallel checkpoints are written
+  // from this (gathered over the tensor group by TransformerLM::gather_full).
+  virtual std::vector<std::pair<std::string, Tensor>> per_parameter_state(Context&) const { return state(); }
+  // The reverse: this optimizer's part of per-parameter moments, and the step count.
+  virtual void load_per_parameter_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) {
+    load_state(tensors, step);
+  }
 };
 
 class Optimizer : public OptimizerBase {
