@@ -371,11 +371,15 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
   std::unique_ptr<AsyncCheckpointer> writer;
   if (t.async_checkpoint) writer = std::make_unique<AsyncCheckpointer>(t.out_dir, retention);
   // Pin the snapshot buffers while the first steps run: allocated inside the first save,
-  // they stalled it for seconds. Two sets when a rewind snapshot is kept beside the newest.
+  // they stalled it for seconds. One set per snapshot alive at once: a rewind snapshot kept
+  // beside the newest checkpoint's. Under tensor parallelism checkpoints gather the full
+  // layout into ordinary host tensors, so only the (per-rank) rewind snapshots are pinned.
+  const bool rewind_snapshots = rw.enabled && rw.snapshot_interval > 0;
+  const bool pinned_checkpoints = t.checkpoint_interval > 0 && !model.tensor_parallel();
+  const int pinned_sets = int{rewind_snapshots} + int{pinned_checkpoints};
   std::jthread pin_snapshot_buffers;
-  if (ctx.device.is_cuda() && (t.checkpoint_interval > 0 || (rw.enabled && rw.snapshot_interval > 0)))
-    pin_snapshot_buffers = std::jthread(reserve_pinned_host, snapshot_buffer_bytes(model, &opt),
-                                        rw.enabled && rw.snapshot_interval > 0 ? 2 : 1);
+  if (ctx.device.is_cuda() && pinned_sets > 0)
+    pin_snapshot_buffers = std::jthread(reserve_pinned_host, snapshot_buffer_bytes(model, &opt), pinned_sets);
 
   auto current_state = [&] {
     nlohmann::json skips = nlohmann::json::array();
