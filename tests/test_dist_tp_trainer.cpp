@@ -34,27 +34,9 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string shared_dir(dist::ProcessGroup& world, const std::string& name) {
-  std::string dir;
-  if (world.rank() == 0) {
-    dir = (fs::temp_directory_path() / ("tessera_tp_trainer_" + name + "_" + std::to_string(::getpid()))).string();
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  dir = dist::broadcast_string(world, dir, 0);
-  world.barrier();
-  return dir;
+  return tessera::testing::shared_dir(world, "tessera_tp_trainer", name);
 }
-
-std::string corpus(dist::ProcessGroup& world, const std::string& dir) {
-  const std::string path = dir + "/corpus.txt";
-  if (world.rank() == 0) {
-    std::string text;
-    for (int i = 0; i < 300; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + ". ";
-    io::write_file_atomically(path, text);
-  }
-  world.barrier();
-  return path;
-}
+std::string corpus(dist::ProcessGroup& world, const std::string& dir) { return shared_corpus(world, dir); }
 
 // Tiny Llama (GQA 4/2: K/V split at TP 2, replicated at TP 4; vocabulary 257, padded at TP 2
 // and 4), 8 sequences of 16 tokens per step, validation every 5 steps. lr 0.01 with

@@ -27,29 +27,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A directory every rank agrees on (rank 0 names and creates it).
 std::string shared_dir(dist::ProcessGroup& world, const std::string& name) {
-  std::string dir;
-  if (world.rank() == 0) {
-    dir = (fs::temp_directory_path() / ("tessera_dist_trainer_" + name + "_" + std::to_string(::getpid()))).string();
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  dir = dist::broadcast_string(world, dir, 0);
-  world.barrier();
-  return dir;
+  return tessera::testing::shared_dir(world, "tessera_dist_trainer", name);
 }
-
-std::string corpus(dist::ProcessGroup& world, const std::string& dir) {
-  const std::string path = dir + "/corpus.txt";
-  if (world.rank() == 0) {
-    std::string text;
-    for (int i = 0; i < 300; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + ". ";
-    io::write_file_atomically(path, text);
-  }
-  world.barrier();
-  return path;
-}
+std::string corpus(dist::ProcessGroup& world, const std::string& dir) { return shared_corpus(world, dir); }
 
 // Tiny Llama, 8 sequences of 16 tokens per step over all ranks (batch_size 2 per rank and
 // micro-batch), validation every 5 steps.
