@@ -26,7 +26,7 @@
 #
 # TEST_REGEX limits the GPU tests to those whose name matches (ctest -R).
 # BUILD_TARGETS="a b" builds only those targets (the tessera binary is always wanted).
-# SANITIZE_ONLY=name limits the sanitizer to test_gpu_<name>; SANITIZE_TIMEOUT (seconds,
+# SANITIZE_ONLY="name ..." limits the sanitizer to those test_gpu_<name> programs; SANITIZE_TIMEOUT (seconds,
 # default 240) bounds each sanitizer run.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
@@ -81,7 +81,7 @@ export -f sanitize_one
 export out SANITIZE_TIMEOUT
 if want sanitize; then
   log "compute-sanitizer (memcheck, racecheck) started in the background"
-  for tool in memcheck racecheck; do for t in build-gpu/test_gpu_${SANITIZE_ONLY:-*}; do [ -x "$t" ] && [ "${t%.cmake}" = "$t" ] && echo "$tool $t"; done; done |
+  for tool in memcheck racecheck; do for name in ${SANITIZE_ONLY:-*}; do for t in build-gpu/test_gpu_$name; do [ -x "$t" ] && [ "${t%.cmake}" = "$t" ] && echo "$tool $t"; done; done; done |
     xargs -P 12 -n 2 bash -c 'sanitize_one "$0" "$1"' > "$out/sanitizer.txt" 2>&1 &
   sanitizer_pid=$!
 fi
