@@ -74,6 +74,30 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 cudaStream_t stream_of(const Context& ctx) { return static_cast<cudaStream_t>(ctx.stream); }
 
+// all_reduce_async's handle: `reduced` is recorded on the communication stream after the
+// reduction. wait() queues a wait for it on the caller's stream (no host synchronisation);
+// a handle dropped without wait() still orders the caller's stream, so that nothing queued
+// later can read or reuse the tensor while it is being reduced.
+class NcclWork final : public Work {
+ public:
+  NcclWork(cudaEvent_t reduced, cudaStream_t caller) : reduced_(reduced), caller_(caller) {}
+  ~NcclWork() override {
+    if (!waited_) cudaStreamWaitEvent(caller_, reduced_, 0);
+    cudaEventDestroy(reduced_);  // safe while pending: CUDA releases it once it completes
+  }
+  void wait() override {
+    if (waited_) return;
+    TESSERA_NCCL_CUDA_CHECK(cudaStreamWaitEvent(caller_, reduced_, 0));
+    waited_ = true;
+  }
+  bool completed() const override { return cudaEventQuery(reduced_) != cudaErrorNotReady; }
+
+ private:
+  cudaEvent_t reduced_;
+  cudaStream_t caller_;
+  bool waited_ = false;
+};
+
 class NcclGroup final : public ProcessGroup {
  public:
   // Takes ownership of `comm`. `world_ranks` in this group's rank order.
@@ -92,6 +116,10 @@ class NcclGroup final : public ProcessGroup {
   }
   ~NcclGroup() override {
     remove_abort_hook(abort_hook_);
+    if (comm_stream_ != nullptr) {
+      cudaStreamSynchronize(comm_stream_);  // no reduction may outlive the communicator
+      cudaStreamDestroy(comm_stream_);
+    }
     if (comm_ != nullptr) ncclCommDestroy(comm_);
   }
   const char* backend() const override { return "nccl"; }
@@ -102,9 +130,24 @@ class NcclGroup final : public ProcessGroup {
                                      nccl_type(t.dtype(), "all_reduce"), nccl_op(op), comm_, stream_of(ctx)));
     watch(ctx, "all_reduce");
   }
+  // On the group's own communication stream, so that the reduction runs beside the
+  // computation queued on ctx.stream after it (the rest of backward) instead of behind it.
+  // The communication stream first waits for what ctx.stream has queued so far (the
+  // producer of t); wait() makes ctx.stream wait for the reduction. t must stay alive and
+  // untouched until then.
   std::unique_ptr<Work> all_reduce_async(Context& ctx, Tensor& t, ReduceOp op) override {
-    all_reduce(ctx, t, op);  // queued on ctx.stream: later work on that stream sees it
-    return std::make_unique<Work>();
+    check(ctx, t, "all_reduce_async", "tensor");
+    cudaStream_t comm = comm_stream();
+    cudaEvent_t produced = make_event();
+    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(produced, stream_of(ctx)));
+    TESSERA_NCCL_CUDA_CHECK(cudaStreamWaitEvent(comm, produced, 0));
+    TESSERA_NCCL_CUDA_CHECK(cudaEventDestroy(produced));  // the wait above is already queued
+    TESSERA_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<size_t>(t.numel()),
+                                     nccl_type(t.dtype(), "all_reduce"), nccl_op(op), comm_, comm));
+    watch(comm, "all_reduce");
+    cudaEvent_t reduced = make_event();
+    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(reduced, comm));
+    return std::make_unique<NcclWork>(reduced, stream_of(ctx));
   }
   void reduce_scatter(Context& ctx, const Tensor& in, Tensor& out, ReduceOp op) override {
     check(ctx, in, "reduce_scatter", "in");
@@ -199,12 +242,32 @@ class NcclGroup final : public ProcessGroup {
                   t.device().to_string());
   }
 
+  // The communication stream of all_reduce_async, made on first use. Non-blocking (the
+  // legacy stream must not order it) and of the highest priority, so that its kernels get
+  // SMs as soon as the compute kernels ahead of them leave some, as Megatron and PyTorch DDP
+  // give theirs.
+  cudaStream_t comm_stream() {
+    if (comm_stream_ == nullptr) {
+      TESSERA_NCCL_CUDA_CHECK(cudaSetDevice(device_));
+      int least = 0, greatest = 0;
+      TESSERA_NCCL_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      TESSERA_NCCL_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, greatest));
+    }
+    return comm_stream_;
+  }
+  static cudaEvent_t make_event() {
+    cudaEvent_t event = nullptr;
+    TESSERA_NCCL_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return event;
+  }
+
   // With a timeout set: a CUDA event after the collective, which the watchdog polls.
-  void watch(const Context& ctx, const char* op) const {
+  void watch(const Context& ctx, const char* op) const { watch(stream_of(ctx), op); }
+  void watch(cudaStream_t stream, const char* op) const {
     if (timeout() <= 0) return;
     cudaEvent_t event = nullptr;
     if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventRecord(event, stream_of(ctx)) != cudaSuccess) {
+        cudaEventRecord(event, stream) != cudaSuccess) {
       (void)cudaGetLastError();  // unwatched, not an error of the collective
       if (event != nullptr) cudaEventDestroy(event);
       return;
@@ -214,6 +277,7 @@ class NcclGroup final : public ProcessGroup {
   }
 
   ncclComm_t comm_ = nullptr;
+  cudaStream_t comm_stream_ = nullptr;
   long abort_hook_ = -1;
   int device_ = 0;
   GroupPtr bootstrap_;  // CPU group with the same members, for world ranks of sub-groups

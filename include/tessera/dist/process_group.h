@@ -35,7 +35,8 @@ enum class ReduceOp { Sum, Avg, Max, Min };
 const char* reduce_op_name(ReduceOp op);
 
 // An asynchronous collective. wait() returns once the result may be read on the host (CPU)
-// or once later work queued on the caller's stream will see it (CUDA).
+// or once later work queued on the caller's stream will see it (CUDA). completed() says
+// whether the collective itself has finished.
 class Work {
  public:
   virtual ~Work() = default;
@@ -68,7 +69,10 @@ class ProcessGroup {
   virtual void barrier() = 0;
 
   // The asynchronous form: the default runs the collective now and returns a completed
-  // handle (the CPU backends); NCCL returns at once, the work queued on ctx.stream.
+  // handle (the CPU backends). NCCL returns at once: the reduction is queued on the group's
+  // own communication stream after the work already queued on ctx.stream, so it runs beside
+  // the work queued on ctx.stream later; wait() makes ctx.stream wait for it (no host
+  // synchronisation). The tensor must stay alive and unwritten until then.
   virtual std::unique_ptr<Work> all_reduce_async(Context& ctx, Tensor& tensor, ReduceOp op = ReduceOp::Sum);
 
   // ---- Sub-groups ----
