@@ -17,7 +17,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "dist_testing.h"
+#include "dist_trainer_testing.h"
 #include "tessera/dist/data_parallel.h"
 #include "tessera/dist/parallel_grid.h"
 #include "tessera/io/atomic_file.h"
@@ -38,53 +38,17 @@ std::string shared_dir(dist::ProcessGroup& world, const std::string& name) {
 }
 std::string corpus(dist::ProcessGroup& world, const std::string& dir) { return shared_corpus(world, dir); }
 
-// Tiny Llama (GQA 4/2: K/V split at TP 2, replicated at TP 4; vocabulary 257, padded at TP 2
-// and 4), 8 sequences of 16 tokens per step, validation every 5 steps. lr 0.01 with
-// grad_clip 1: the early steps clip.
+// The tiny Llama of dist_trainer_testing.h: K/V split at TP 2, replicated at TP 4; its
+// vocabulary of 257 padded at TP 2 and 4. grad_clip 1 with lr 0.01: the early steps clip.
 nlohmann::json config(const std::string& out_dir, const std::string& text, int tensor = 1, bool sp = false,
                       bool zero1 = false) {
-  nlohmann::json j = nlohmann::json::parse(R"({
-    "model": {"architecture": "llama", "vocab_size": 257, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
-              "num_kv_heads": 2, "intermediate_size": 48, "max_seq_len": 32, "rope_theta": 10000},
-    "data": {"tokenizer": "byte", "validation_fraction": 0.1},
-    "optimizer": {"lr": 0.01, "warmup_steps": 2, "grad_clip": 1.0},
-    "training": {"steps": 10, "batch_size": 2, "global_batch_size": 8, "seq_len": 16, "eval_interval": 5,
-                 "eval_batches": 4, "log_interval": 100}
-  })");
-  j["data"]["text"] = text;
-  j["training"]["out_dir"] = out_dir;
+  nlohmann::json j = tiny_llama_run(out_dir, text);
+  j["optimizer"]["grad_clip"] = 1.0;
   j["training"]["parallel"] = {{"tensor", tensor},
                                {"sequence_parallel", sp},
                                {"distributed_optimizer", zero1},
                                {"timeout_s", 120}};
   return j;
-}
-
-struct Curve {
-  std::vector<double> loss, val_loss, grad_norm;
-};
-
-Curve read_curve(const std::string& dir) {
-  Curve c;
-  std::ifstream in(dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) c.loss.push_back(j["loss"].get<double>());
-    if (j.contains("grad_norm")) c.grad_norm.push_back(j["grad_norm"].get<double>());
-    if (j.contains("val_loss")) c.val_loss.push_back(j["val_loss"].get<double>());
-  }
-  return c;
-}
-
-Curve run(dist::ProcessGroup& world, dist::GroupPtr group, const nlohmann::json& j, train::TrainOptions options = {}) {
-  options.quiet = true;
-  if (group) {
-    options.world = group;
-    train::train(train::RunConfig::from_json(j), options);
-  }
-  world.barrier();
-  return read_curve(j["training"]["out_dir"].get<std::string>());
 }
 
 // The first n ranks of the world, when it has that many (null on the others and when it

@@ -267,16 +267,6 @@ std::map<std::string, size_t> index_by_name(const nn::ParameterList& params) {
   return index;
 }
 
-// A host copy of `t` in `dtype`.
-Tensor host_as(const Tensor& t, DType dtype) {
-  const Tensor host = t.to(Device::cpu()).contiguous();
-  if (host.dtype() == dtype) return host;
-  Tensor out = Tensor::empty(host.shape(), dtype);
-  Context cpu = Context::cpu();
-  cast(cpu, host, out);
-  return out;
-}
-
 }  // namespace
 
 std::vector<nn::ShardLayout> TransformerLM::shard_layouts() {
@@ -308,7 +298,7 @@ void TransformerLM::load_full_state(Context& ctx, const NamedTensors& full) {
     const Tensor& t = *it->second;
     TESSERA_CHECK(t.shape() == layouts[i].full, "TransformerLM::load_full_state: '", p->name, "' is ", t.describe(),
                   ", the model's full tensor is ", shape_to_string(layouts[i].full));
-    p->weights().copy_from(nn::slice_full(layouts[i], parallel_.tensor_rank, host_as(t, p->weights().dtype())));
+    p->weights().copy_from(nn::slice_full(layouts[i], parallel_.tensor_rank, nn::host_copy_as(t, p->weights().dtype())));
     p->refresh_value(ctx);
   }
   if (tp_) {

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "tessera/dist/process_group.h"
+#include "tessera/ops/elementwise.h"
 #include "tessera/ops/gemm.h"
 
 namespace tessera::nn {
@@ -59,6 +60,15 @@ Tensor gather_full(Context& ctx, dist::ProcessGroup& group, const ShardLayout& l
     }
   }
   return full;
+}
+
+Tensor host_copy_as(const Tensor& t, DType dtype) {
+  const Tensor host = t.to(Device::cpu()).contiguous();
+  if (host.dtype() == dtype) return host;
+  Tensor out = Tensor::empty(host.shape(), dtype);
+  Context cpu = Context::cpu();
+  cast(cpu, host, out);
+  return out;
 }
 
 Tensor slice_full(const ShardLayout& layout, int rank, const Tensor& full) {

@@ -23,16 +23,6 @@ std::shared_ptr<dist::ProcessGroup> tensor_group(const ParallelContext& parallel
   return parallel.tensor_group;
 }
 
-// A host copy of `t` in `dtype`.
-Tensor as_dtype(const Tensor& t, DType dtype) {
-  const Tensor host = t.to(Device::cpu()).contiguous();
-  if (host.dtype() == dtype) return host;
-  Tensor out = Tensor::empty(host.shape(), dtype);
-  Context cpu = Context::cpu();
-  cast(cpu, host, out);
-  return out;
-}
-
 std::vector<int64_t> host_ids(const Tensor& ids) { return ids.to(Device::cpu()).contiguous().to_ints(); }
 
 Tensor gather_rows(Context& ctx, dist::ProcessGroup& group, const Tensor& local) {
@@ -105,7 +95,7 @@ void VocabParallelEmbedding::load_full(Context& ctx, const Tensor& full) {
   const ShardLayout l = layout();
   TESSERA_CHECK(full.shape() == l.full, "VocabParallelEmbedding ", weight.name, "::load_full: want ",
                 shape_to_string(l.full), ", got ", full.describe());
-  weight.weights().copy_from(slice_full(l, shard_.rank, as_dtype(full, weight.weights().dtype())));
+  weight.weights().copy_from(slice_full(l, shard_.rank, host_copy_as(full, weight.weights().dtype())));
   weight.refresh_value(ctx);
 }
 

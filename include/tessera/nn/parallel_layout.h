@@ -46,6 +46,10 @@ Tensor gather_full(Context& ctx, dist::ProcessGroup& group, const ShardLayout& l
 // full's device, in full's dtype. No communication.
 Tensor slice_full(const ShardLayout& layout, int rank, const Tensor& full);
 
+// A contiguous host copy of `t` in `dtype` (cast on the CPU when the dtypes differ): the
+// full tensor slice_full cuts from when loading a checkpoint into a parameter's dtype.
+Tensor host_copy_as(const Tensor& t, DType dtype);
+
 // The L2 norm of the gradients of a tensor-parallel parameter list as the single-device
 // model would compute it: the squares of split parameters summed over the tensor group,
 // replicated parameters (whose gradients every rank holds in full) and rows held by several
