@@ -49,8 +49,9 @@ TEST(GpuCrossEntropy, MatchesTheCpuReference) {
   REQUIRE_GPU();
   Context cpu = Context::cpu(), gpu = Context::cuda();
   uint64_t seed = 300;
-  const std::pair<int64_t, int64_t> shapes[] = {{1, 1},  {3, 5},     {17, 7},     {64, 1000},
-                                               {9, 50257}, {4, 128256}, {0, 10},   {6, 4099}};
+  // 4096 and 32768: the register kernel with a several-warp row group (BF16: 8 packed vectors a thread).
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 1},     {3, 5},     {17, 7},  {64, 1000}, {9, 50257},
+                                               {4, 128256}, {0, 10},    {6, 4099}, {5, 4096},  {3, 32768}};
   for (DType t : {DType::F32, DType::BF16}) {
     for (auto [rows, vocab] : shapes) {
       for (bool misaligned : {false, true}) {

@@ -4,23 +4,31 @@
 // target (outside [0, V), not ignore_index) is reported lazily (index_error.h): the loss
 // becomes NaN, the row's gradient NaN, and the next embedding/cross-entropy call throws.
 //
-// Layout: logits / d_logits [N, V] row-major. Forward: rows of up to 16384 logits whose
-// rows are 16-byte aligned are held in registers by a group of threads (two passes over the
-// registers: max, then the sum of exponentials); wider or unaligned rows (GPT-2's 50257
+// Layout: logits / d_logits [N, V] row-major (row stride >= V). Forward, one read of each
+// row: rows of up to 32768 BF16 / 16384 F32 logits whose rows are 16-byte aligned are held
+// in registers as loaded (BF16 packed two to a register, so a thread holds 8 vectors in 32
+// registers and more rows are in flight per SM) by a group of threads: the max, then the sum
+// of exp2((x - max) * log2 e) from the registers. Wider or unaligned rows (GPT-2's 50257
 // starts rows at any 2- or 4-byte boundary) take one 512-thread block per row, walked as a
-// scalar head up to the first 16-byte boundary, 8-element (16/32-byte) vectors and a scalar
-// tail, with an online max and rescaled sum per thread merged across the block. Either way
-// the row's loss term lse - logits[n, target] is written next to its lse, and one block sums
-// the terms in a fixed order (deterministic). The backward reads each row once and writes it
-// once, 256 threads a row, two vectors in flight per thread; it may run in place
-// (d_logits == logits), because every element is read and written by one thread.
+// scalar head up to the first 16-byte boundary, 8-element vectors (four in flight per
+// thread) and a scalar tail, with an online max and rescaled sum per thread merged across
+// the block. Thread 0 of a row loads the target index before the row and the target logit
+// after issuing the row's loads, so the row's term lse - logits[n, target] costs no memory
+// round trip after the reductions. One block (a programmatic dependent launch: it counts
+// the targets while the last rows run, then waits) sums the terms in a fixed order
+// (deterministic). Backward: a one-block kernel computes d_loss / n_valid; the row kernel
+// (its programmatic dependent) starts at once, 256 threads a row, two vectors in flight per
+// thread, and reads the scale after its first loads are issued; the row's target and lse
+// are loaded beside the row and ignored / bad rows go through the same walk (a select), so
+// no load waits on another. It may run in place (d_logits == logits): every element is
+// read and written by one thread.
 // Floors: forward N * V * bytes / 4.1 TB/s (1024 x 128256 BF16 = 263 MB -> 64 us);
 // backward twice that. Measured on the H200 against cudaMemcpy D2D (3.8 TB/s) in the same
-// run (bench_bandwidth, 16384 x 4096 BF16), before -> after: forward 12 -> 53% (it was one
-// 512-thread block per row with a serial 16-way merge, then a single block gathering each
-// row's target logit), backward 66 -> 68%. Both short of 85%: the forward's row loss term
-// re-reads the target logit after the row's reductions, and the backward waits for the
-// row's target before issuing the row's loads.
+// run (bench_bandwidth, 16384 x 4096 BF16): forward 12 -> 53% (single-pass rows, the
+// target gathered per row), backward 66 -> 68%; then with the packed rows, the target
+// logit loaded beside the row, PDL and exp2 (2026-11-30): forward 68%, backward 72%; at
+// 16384 x 768 (rows of 1.5 KB, launch and tail bound) 45% / 44%. Still short of the 85%
+// goal: a row of 4096 is too short to keep enough bytes in flight per SM.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,8 +49,30 @@ constexpr int kRowThreads = 512;     // the looping forward kernel: one block pe
 constexpr int kGradThreads = 256;    // the backward: one block per row
 constexpr int kReduceThreads = 1024;
 constexpr int kLseMaxGroup = 512;    // the register forward kernel: threads per row ...
-constexpr int kLseMaxVectors = 4;    // ... and vectors per thread (rows up to 16384 logits)
+constexpr int kLseMaxVectors = 4;    // ... and F32 vectors per thread (rows up to 16384 logits;
+                                     // BF16, packed: 8, rows up to 32768)
 constexpr int kUnroll = 8;           // rows per thread per step of the single-block sums
+constexpr int kRowVectors = 4;       // the looping forward kernel: vectors in flight per thread
+
+// exp(d) as exp2f(d * log2(e)): one multiply and the SFU's exp2. d is x - max (or x - lse),
+// exact near the max where the terms matter, so the scaling's rounding stays relative to d.
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Programmatic dependent launch (sm_90): a kernel launched with launch_pdl may start before
+// the one ahead of it in the stream ends, once every block of that one has called
+// pdl_launch_dependents (or exited); it must call pdl_wait before touching anything the
+// earlier kernel writes, and every one of its blocks calls it (so it cannot end first).
+// Without the launch attribute, or below sm_90, both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // ---- Online log-sum-exp ------------------------------------------------------------------
 //
@@ -60,12 +90,12 @@ __device__ __forceinline__ void lse_add(Lse& a, const float (&v)[K]) {
 #pragma unroll
   for (int i = 0; i < K; ++i) vmax = fmaxf(vmax, v[i]);
   if (vmax > a.m) {
-    a.s *= expf(a.m - vmax);  // 0 * exp(-inf) = 0; NaN stays NaN
+    a.s *= exp2f((a.m - vmax) * kLog2e);  // 0 * exp(-inf) = 0; NaN stays NaN
     a.m = vmax;
   }
 #pragma unroll
   for (int i = 0; i < K; ++i)
-    if (v[i] != -INFINITY) a.s += expf(v[i] - a.m);
+    if (v[i] != -INFINITY) a.s += exp2f((v[i] - a.m) * kLog2e);
 }
 
 __device__ __forceinline__ float lse_rescaled(float s, float m, float to) {
@@ -97,38 +127,72 @@ __device__ Lse block_lse(Lse v) {
   return r;
 }
 
-// The row's loss term lse - logits[row, target] in double (0 for an ignored or bad target:
-// the sum skips those rows), from the lse value just stored.
-template <typename T, typename Tg>
-__device__ __forceinline__ void write_term(const T* row_logits, const Tg* targets, int64_t row, float lse_value,
-                                           int64_t vocab, int64_t ignore_index, double* terms) {
-  const int64_t t = static_cast<int64_t>(targets[row]);
-  const bool ok = t != ignore_index && t >= 0 && t < vocab;
-  terms[row] = ok ? static_cast<double>(lse_value) - static_cast<double>(vec::load(row_logits, t)) : 0.0;
+// The row's loss term lse - logits[n, target], in double, is written by thread 0 of the row
+// next to lse; 0 for an ignored or bad target (the sum skips those rows). Thread 0 loads the
+// target index before the row and the target logit once the row's loads are issued, so
+// neither wait is on the row's path: the logit comes from lines the row is bringing in and
+// is needed only after the reductions.
+// fetch() only loads the index (code testing it there would stall the warp before the row's
+// loads); gather() tests it and loads the logit, after the row's loads are issued.
+struct RowTarget {
+  int64_t t = 0;
+  bool ok = false;
+  float x = 0.0f;
+  template <typename Tg>
+  __device__ __forceinline__ void fetch(const Tg* targets, int64_t row) {
+    t = static_cast<int64_t>(targets[row]);
+  }
+  template <typename T>
+  __device__ __forceinline__ void gather(const T* row_logits, int64_t vocab, int64_t ignore_index) {
+    ok = t != ignore_index && t >= 0 && t < vocab;
+    if (ok) x = vec::load(row_logits, t);
+  }
+  __device__ __forceinline__ void write(int64_t row, float lse_value, double* terms) const {
+    terms[row] = ok ? static_cast<double>(lse_value) - static_cast<double>(x) : 0.0;
+  }
+};
+
+__device__ __forceinline__ float lse_value(float m, float s) {
+  return (m == INFINITY || m == -INFINITY) ? NAN : m + logf(s);
 }
 
+// One block per row of any width and alignment: a scalar head to the first 16-byte
+// boundary, kRowVectors vectors in flight per thread per step, a scalar tail; an online
+// (max, rescaled sum) per thread, merged across the block. One read of the row.
 template <typename T, typename Tg>
 __global__ void __launch_bounds__(kRowThreads)
     lse_kernel(const T* logits, const Tg* targets, float* lse, double* terms, int64_t vocab, int64_t ld,
                int64_t ignore_index) {
   const T* x = logits + blockIdx.x * ld;
+  pdl_launch_dependents();  // the loss kernel may start; it waits before reading terms
+  RowTarget target;
+  if (threadIdx.x == 0) target.fetch(targets, blockIdx.x);
   const int64_t head = min(vec::misalignment_head(x), vocab);
   const int64_t vectors = (vocab - head) / kWidth;
   Lse acc;
-  for (int64_t v = threadIdx.x; v < head; v += kRowThreads) lse_add<1>(acc, {vec::load(x, v)});
-  for (int64_t u = threadIdx.x; u < vectors; u += kRowThreads) {
-    float v[kWidth];
-    vec::load8(x + head + u * kWidth, v);
-    lse_add<kWidth>(acc, v);
+  for (int64_t c = threadIdx.x; c < head; c += kRowThreads) lse_add<1>(acc, {vec::load(x, c)});
+  for (int64_t u0 = threadIdx.x; u0 < vectors; u0 += int64_t(kRowVectors) * kRowThreads) {
+    vec::Packed8<T> p[kRowVectors];
+#pragma unroll
+    for (int q = 0; q < kRowVectors; ++q) {
+      const int64_t u = u0 + int64_t(q) * kRowThreads;
+      if (u < vectors) vec::load_packed(x + head + u * kWidth, p[q]);
+    }
+#pragma unroll
+    for (int q = 0; q < kRowVectors; ++q) {
+      if (u0 + int64_t(q) * kRowThreads >= vectors) break;
+      float v[kWidth];
+      vec::unpack(p[q], v);
+      lse_add<kWidth>(acc, v);
+    }
   }
-  for (int64_t v = head + vectors * kWidth + threadIdx.x; v < vocab; v += kRowThreads)
-    lse_add<1>(acc, {vec::load(x, v)});
+  for (int64_t c = head + vectors * kWidth + threadIdx.x; c < vocab; c += kRowThreads) lse_add<1>(acc, {vec::load(x, c)});
+  if (threadIdx.x == 0) target.gather(x, vocab, ignore_index);  // an L2 hit: the row was just read
   const Lse row = block_lse(acc);
-  if (threadIdx.x == 0) {
-    const float value = (row.m == INFINITY || row.m == -INFINITY) ? NAN : row.m + logf(row.s);
-    lse[blockIdx.x] = value;
-    write_term(x, targets, blockIdx.x, value, vocab, ignore_index, terms);
-  }
+  if (threadIdx.x != 0) return;
+  const float value = lse_value(row.m, row.s);
+  lse[blockIdx.x] = value;
+  target.write(blockIdx.x, value, terms);
 }
 
 // Reduces v over the blockDim.x threads of a row group; every thread of the group gets the
@@ -146,7 +210,8 @@ __device__ __forceinline__ float group_reduce(float v, float* shared, Op op) {
   return r;
 }
 
-// Rows of vocab % 8 == 0 logits, 16-byte aligned, held in registers: NV vectors per thread
+// Rows of vocab % 8 == 0 logits, 16-byte aligned, held in registers as loaded (BF16
+// packed, half the registers of floats: more rows in flight per SM): NV vectors per thread
 // of a group of blockDim.x threads (a warp's loads contiguous); blockDim.y rows per block.
 // The max first, then the sum of exp(x - max) from the registers: one read of the row, and
 // a more accurate sum than the online rescaling. -inf entries (and the padding of a partial
@@ -156,34 +221,43 @@ __global__ void __launch_bounds__(kLseMaxGroup)
     lse_rows_kernel(const T* logits, const Tg* targets, float* lse, double* terms, int64_t rows, int64_t vocab,
                     int64_t ld, int64_t ignore_index) {
   __shared__ float red[2][32];
+  pdl_launch_dependents();  // the loss kernel may start; it waits before reading terms
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool live = row < rows;
   const T* x = logits + (live ? row : 0) * ld;
-  float v[NV][kWidth];
+  RowTarget target;
+  if (live && threadIdx.x == 0) target.fetch(targets, row);
+  const int width = int(vocab);  // at most kLseMaxGroup * 8 * kWidth: 32-bit column offsets
+  vec::Packed8<T> u[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = (j * int(blockDim.x) + int(threadIdx.x)) * kWidth;
+    if (live && c < width) vec::load_packed(x + c, u[j]);
+    else vec::fill_neg_inf(u[j]);
+  }
+  if (live && threadIdx.x == 0) target.gather(x, vocab, ignore_index);
   float m = -INFINITY;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * kWidth;
-    if (live && c < vocab) {
-      vec::load8(x + c, v[j]);
-    } else {
+    float v[kWidth];
+    vec::unpack(u[j], v);
 #pragma unroll
-      for (int k = 0; k < kWidth; ++k) v[j][k] = -INFINITY;
-    }
-#pragma unroll
-    for (int k = 0; k < kWidth; ++k) m = fmaxf(m, v[j][k]);
+    for (int k = 0; k < kWidth; ++k) m = fmaxf(m, v[k]);
   }
   m = group_reduce(m, red[0], [](float a, float b) { return fmaxf(a, b); });
   float s = 0.0f;
 #pragma unroll
-  for (int j = 0; j < NV; ++j)
+  for (int j = 0; j < NV; ++j) {
+    float v[kWidth];
+    vec::unpack(u[j], v);
 #pragma unroll
-    for (int k = 0; k < kWidth; ++k) s += expf(v[j][k] - m);
+    for (int k = 0; k < kWidth; ++k) s += exp2f((v[k] - m) * kLog2e);
+  }
   s = group_reduce(s, red[1], [](float a, float b) { return a + b; });
   if (!live || threadIdx.x != 0) return;
-  const float value = (m == INFINITY || m == -INFINITY) ? NAN : m + logf(s);
+  const float value = lse_value(m, s);
   lse[row] = value;
-  write_term(x, targets, row, value, vocab, ignore_index, terms);
+  target.write(row, value, terms);
 }
 
 // ---- Fixed-order block sums ---------------------------------------------------------------
@@ -205,21 +279,21 @@ __device__ V block_sum(V v) {
 // loss = sum over valid rows of terms[n] (= lse[n] - logits[n, target]) / n_valid, in double;
 // NaN when a target is bad. One block of kReduceThreads; thread i takes rows i, i + 1024, ...
 // in that order, loading kUnroll of them before adding (the loads overlap; the order of the
-// additions does not change).
+// additions does not change). Ignored and bad rows have terms[n] = 0, so all terms are
+// added: the same bits as adding the valid ones only. Launched as a programmatic dependent
+// of the row kernel: the targets (written before that kernel) are counted while its last
+// rows run; the terms only after pdl_wait.
 template <typename Tg>
 __global__ void __launch_bounds__(kReduceThreads)
     loss_kernel(const Tg* targets, const double* terms, void* loss, bool loss_f64, int64_t rows, int64_t vocab,
                 int64_t ignore_index, IndexErrorSink sink) {
-  double sum = 0;
   int64_t valid = 0, bad = 0;
   for (int64_t n0 = threadIdx.x; n0 < rows; n0 += int64_t(kUnroll) * kReduceThreads) {
     int64_t t[kUnroll];
-    double term[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t n = n0 + int64_t(u) * kReduceThreads;
       t[u] = n < rows ? static_cast<int64_t>(targets[n]) : ignore_index;
-      term[u] = n < rows ? terms[n] : 0.0;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -230,8 +304,19 @@ __global__ void __launch_bounds__(kReduceThreads)
         continue;
       }
       ++valid;
-      sum += term[u];
     }
+  }
+  pdl_wait();
+  double sum = 0;
+  for (int64_t n0 = threadIdx.x; n0 < rows; n0 += int64_t(kUnroll) * kReduceThreads) {
+    double term[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t n = n0 + int64_t(u) * kReduceThreads;
+      term[u] = n < rows ? terms[n] : 0.0;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) sum += term[u];
   }
   sum = block_sum(sum);
   valid = block_sum(valid);
@@ -243,9 +328,12 @@ __global__ void __launch_bounds__(kReduceThreads)
 }
 
 // scale = d_loss / n_valid (0 when no row is valid), rounded once to float as the CPU does.
+// It lets the gradient kernel (its programmatic dependent) start at once: that kernel loads
+// its rows, then waits for this one's result.
 template <typename Tg>
 __global__ void __launch_bounds__(kReduceThreads)
     grad_scale_kernel(const Tg* targets, int64_t rows, int64_t ignore_index, float d_loss, float* scale) {
+  pdl_launch_dependents();
   int64_t valid = 0;
   for (int64_t n0 = threadIdx.x; n0 < rows; n0 += int64_t(kUnroll) * kReduceThreads) {
     int64_t t[kUnroll];
@@ -266,14 +354,22 @@ __global__ void __launch_bounds__(kReduceThreads)
 
 // Applies y[v] = f(v, x[v]) over one row with the block: scalar head to x's first 16-byte
 // boundary, 8-element vectors, scalar tail (all scalar when y is not aligned with x).
-// Each element is read and written by the same thread, so y may be x.
-template <typename In, typename Out, typename F>
-__device__ __forceinline__ void map_row(const In* x, Out* y, int64_t n, F f) {
+// Each element is read and written by the same thread, so y may be x. ready() runs once per
+// thread before its first f, after the loads of its first vector step are issued (before
+// anything else on the scalar paths), so whatever it waits for overlaps those loads.
+template <typename In, typename Out, typename Ready, typename F>
+__device__ __forceinline__ void map_row(const In* x, Out* y, int64_t n, Ready ready, F f) {
   const int64_t head = min(vec::misalignment_head(x), n);
   const int64_t vectors = (n - head) / kWidth;
   if (vectors == 0 || !vec::aligned16(y + head)) {
+    ready();
     for (int64_t v = threadIdx.x; v < n; v += blockDim.x) vec::store(y, v, f(v, vec::load(x, v)));
     return;
+  }
+  bool waited = false;
+  if (head > 0) {
+    ready();
+    waited = true;
   }
   for (int64_t v = threadIdx.x; v < head; v += blockDim.x) vec::store(y, v, f(v, vec::load(x, v)));
   // Two vectors per thread per step, both loaded before either is stored.
@@ -283,6 +379,10 @@ __device__ __forceinline__ void map_row(const In* x, Out* y, int64_t n, F f) {
     float w0[kWidth], w1[kWidth];
     vec::load8(x + v0, w0);
     if (u1 < vectors) vec::load8(x + v1, w1);
+    if (!waited) {
+      ready();
+      waited = true;
+    }
 #pragma unroll
     for (int k = 0; k < kWidth; ++k) w0[k] = f(v0 + k, w0[k]);
     vec::store8(y + v0, w0);
@@ -292,43 +392,65 @@ __device__ __forceinline__ void map_row(const In* x, Out* y, int64_t n, F f) {
       vec::store8(y + v1, w1);
     }
   }
+  if (!waited) ready();
   for (int64_t v = head + vectors * kWidth + threadIdx.x; v < n; v += blockDim.x)
     vec::store(y, v, f(v, vec::load(x, v)));
 }
 
-template <typename Out>
-__device__ __forceinline__ void fill_row(Out* y, int64_t n, float value) {
-  const int64_t head = min(vec::misalignment_head(y), n);
-  const int64_t vectors = (n - head) / kWidth;
-  float w[kWidth];
-#pragma unroll
-  for (int k = 0; k < kWidth; ++k) w[k] = value;
-  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) vec::store(y, v, value);
-  for (int64_t u = threadIdx.x; u < vectors; u += blockDim.x) vec::store8(y + head + u * kWidth, w);
-  for (int64_t v = head + vectors * kWidth + threadIdx.x; v < n; v += blockDim.x) vec::store(y, v, value);
-}
-
+// The row's loads come first: the target, lse and the scale (from grad_scale_kernel, this
+// kernel's programmatic predecessor: read after pdl_wait) are loaded in map_row's ready(),
+// once the thread's first vectors are in flight, so their latency overlaps the row's (code
+// that tested the target before the walk would stall the warp on it). An ignored row (0)
+// or a bad target (NaN) goes through the same walk, the value selected per element (0 * NaN
+// or inf logits would not be 0): that costs a read of each ignored row.
 template <typename T, typename Out, typename Tg>
 __global__ void __launch_bounds__(kGradThreads)
     grad_kernel(const T* logits, const Tg* targets, const float* lse, const float* scale_ptr, Out* d_logits,
                 int64_t vocab, int64_t ld, int64_t ld_out, int64_t ignore_index, IndexErrorSink sink) {
   const int64_t row = blockIdx.x;
-  Out* g = d_logits + row * ld_out;
-  const int64_t t = static_cast<int64_t>(targets[row]);
-  if (t == ignore_index) {  // written directly: 0 * (NaN or inf logits) would not be 0
-    fill_row(g, vocab, 0.0f);
-    return;
+  int64_t t = 0;
+  float row_lse = 0.0f, scale = 0.0f, fixed_value = 0.0f;
+  bool fixed = false;
+  map_row(
+      logits + row * ld, d_logits + row * ld_out, vocab,
+      [&] {
+        t = static_cast<int64_t>(targets[row]);
+        row_lse = lse[row];
+        pdl_wait();
+        scale = *scale_ptr;
+        const bool ignored = t == ignore_index;
+        fixed = ignored || t < 0 || t >= vocab;
+        fixed_value = ignored ? 0.0f : NAN;
+      },
+      [&](int64_t v, float x) {
+        const float p = scale * exp2f((x - row_lse) * kLog2e);
+        return fixed ? fixed_value : (v == t ? p - scale : p);
+      });
+  pdl_wait();  // every thread, also one without elements (see pdl_wait)
+  // After the walk: a store the compiler cannot tell from the row's would hold back its loads.
+  if (threadIdx.x == 0) {
+    const int64_t tt = static_cast<int64_t>(targets[row]);
+    if (tt != ignore_index && (tt < 0 || tt >= vocab)) record_bad_index(sink, tt, row);
   }
-  if (t < 0 || t >= vocab) {
-    if (threadIdx.x == 0) record_bad_index(sink, t, row);
-    fill_row(g, vocab, NAN);
-    return;
-  }
-  const float scale = *scale_ptr, row_lse = lse[row];
-  map_row(logits + row * ld, g, vocab, [&](int64_t v, float x) {
-    const float p = scale * expf(x - row_lse);
-    return v == t ? p - scale : p;
-  });
+}
+
+// Launches kernel as a programmatic dependent of the previous work on stream s (see pdl_wait).
+// kUsePdl = false makes it an ordinary launch (the kernels stay correct: pdl_wait is then a
+// no-op and the stream orders them).
+constexpr bool kUsePdl = true;
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t s, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = 0;
+  config.stream = s;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = kUsePdl ? 1 : 0;
+  TESSERA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
 template <typename Fn>
@@ -363,11 +485,13 @@ void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& tar
       if (rows > 0) {
         // Registers when the rows are 16-byte aligned and short enough; else the looping kernel.
         const int64_t units = vocab % kWidth == 0 && ld % kWidth == 0 && vec::aligned16(x) ? vocab / kWidth : 0;
+        // A thread holds about 32 registers of the row: 8 packed BF16 vectors or 4 F32 ones.
+        const int per_thread = sizeof(T) == 2 ? 8 : 4, max_nv = sizeof(T) == 2 ? 8 : kLseMaxVectors;
         int tpr = 1;
-        while (tpr < (units + 3) / 4 && tpr < kLseMaxGroup) tpr *= 2;
+        while (tpr < (units + per_thread - 1) / per_thread && tpr < kLseMaxGroup) tpr *= 2;
         int nv = 1;
         while (nv < (units + tpr - 1) / tpr) nv *= 2;
-        if (units > 0 && nv <= kLseMaxVectors) {
+        if (units > 0 && nv <= max_nv) {
           const int rpb = tpr > 32 ? 1 : 128 / tpr;
           const unsigned blocks = static_cast<unsigned>((rows + rpb - 1) / rpb);
           const dim3 block(tpr, rpb);
@@ -377,7 +501,8 @@ void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& tar
           };
           if (nv == 1) launch(lse_rows_kernel<T, Tg, 1>);
           else if (nv == 2) launch(lse_rows_kernel<T, Tg, 2>);
-          else launch(lse_rows_kernel<T, Tg, 4>);
+          else if (nv == 4) launch(lse_rows_kernel<T, Tg, 4>);
+          else if constexpr (sizeof(T) == 2) launch(lse_rows_kernel<T, Tg, 8>);
         } else {
           lse_kernel<T, Tg><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(x, tg, lse.data<float>(),
                                                                                 terms.data<double>(), vocab, ld,
@@ -385,8 +510,8 @@ void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& tar
         }
       }
       // Also for rows = 0: the loss is then written as 0.
-      loss_kernel<Tg><<<1, kReduceThreads, 0, s>>>(tg, terms.data<double>(), loss.raw_data(),
-                                                   loss.dtype() == DType::F64, rows, vocab, ignore_index, sink);
+      launch_pdl(loss_kernel<Tg>, 1, kReduceThreads, s, tg, static_cast<const double*>(terms.data<double>()),
+                 loss.raw_data(), loss.dtype() == DType::F64, rows, vocab, ignore_index, sink);
     });
   });
   TESSERA_CUDA_CHECK_LAUNCH();
@@ -413,9 +538,10 @@ void cross_entropy_backward(void* stream, const Tensor& logits, const Tensor& ta
       using T = std::remove_pointer_t<decltype(tag)>;
       vec::dispatch(d_logits.dtype(), "cross_entropy_backward", [&](auto* otag) {
         using Out = std::remove_pointer_t<decltype(otag)>;
-        grad_kernel<T, Out, Tg><<<static_cast<unsigned>(rows), kGradThreads, 0, s>>>(
-            logits.data<T>(), targets.data<Tg>(), lse.data<float>(), scale.data<float>(), d_logits.data<Out>(), vocab,
-            logits.stride(0), d_logits.stride(0), ignore_index, sink);
+        launch_pdl(grad_kernel<T, Out, Tg>, static_cast<unsigned>(rows), kGradThreads, s,
+                   static_cast<const T*>(logits.data<T>()), static_cast<const Tg*>(targets.data<Tg>()),
+                   static_cast<const float*>(lse.data<float>()), static_cast<const float*>(scale.data<float>()),
+                   d_logits.data<Out>(), vocab, logits.stride(0), d_logits.stride(0), ignore_index, sink);
       });
     });
   });

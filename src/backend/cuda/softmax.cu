@@ -7,14 +7,20 @@
 // 1024, a power of two; narrow rows share a 128-thread block, one warp or less each), so
 // it is read from memory once: forward reads x and writes y, backward reads y and dy and
 // writes dx. Loads are 16 bytes wide when cols and the pointers allow, else one element.
-// Rows too wide for registers (over 8 vectors per thread of a 1024-thread group) take a
-// looping kernel, one 256-thread block per row, that re-reads the row (mostly from L2).
+// The forward keeps the row as loaded (BF16 packed two to a register: a thread holds 8
+// vectors in 32 registers, so twice the rows of the float version are in flight per SM),
+// with two group reductions: a NaN-propagating max (which also finds a NaN row) and the sum
+// of exp2((x - max) * log2 e); the output recomputes the exponential instead of keeping a
+// float row. Rows too wide for registers take a looping kernel, one 256-thread block per
+// row, that re-reads the row (mostly from L2).
 //
 // Floor: 2 (forward) or 3 (backward) passes of the activation over ~4.1 TB/s
 // (16384 x 4096 BF16: 65 / 98 us). Measured on the H200 against cudaMemcpy D2D (3.8 TB/s)
 // in the same run (bench_bandwidth), before -> after the register kernels: forward 48 ->
-// 63%, backward 81 -> 89%. The forward is short of 85%: one row per block with three
-// block-wide reductions (max, NaN flag, sum) and no prefetch of the next row.
+// 63%, backward 81 -> 89%. The forward was then one 128-thread row per block holding 32
+// floats a thread, with three reductions (max, NaN flag, sum); with the packed row (64
+// threads a row, 64 registers: 16 rows per SM instead of 8) and two reductions (2026-11-30):
+// forward 70%, backward 88% (16384 x 768: 67% / 95%).
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -80,56 +86,92 @@ __device__ __forceinline__ float group_reduce(float v, float* shared, Op op) {
 // Thread t of a group owns units t, t + G, t + 2G, ... (G = blockDim.x): a warp's accesses
 // are contiguous. A group past the last row still joins the shuffles but touches no memory.
 
+// A unit of VEC elements as kept in registers: a packed 16/32-byte vector (VEC = 8) or one
+// element in a float (VEC = 1), and the 32-bit registers it takes.
+template <typename T, int VEC>
+using Unit = std::conditional_t<VEC == vec::kWidth, vec::Packed8<T>, float>;
+template <typename T, int VEC>
+constexpr int unit_regs() {
+  return VEC == vec::kWidth ? int(sizeof(vec::Packed8<T>) / 4) : 1;
+}
+template <int VEC, typename T>
+__device__ __forceinline__ void load_unit(const T* p, Unit<T, VEC>& u) {
+  if constexpr (VEC == vec::kWidth) vec::load_packed(p, u);
+  else u = vec::load(p, 0);
+}
+template <int VEC, typename T>
+__device__ __forceinline__ void unpack_unit(const Unit<T, VEC>& u, float (&v)[VEC]) {
+  if constexpr (VEC == vec::kWidth) vec::unpack(u, v);
+  else v[0] = u;
+}
+template <int VEC, typename T>
+__device__ __forceinline__ void fill_unit_neg_inf(Unit<T, VEC>& u) {
+  if constexpr (VEC == vec::kWidth) vec::fill_neg_inf(u);
+  else u = -INFINITY;
+}
+
+struct MaxNan {
+  __device__ float operator()(float a, float b) const { return vec::max_nan(a, b); }
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The row is kept as loaded (BF16 packed: half the registers of floats, so more rows are in
+// flight per SM) and unpacked on each of three passes: the max (NaN-propagating, so one
+// reduction also finds a NaN row), the sum of exponentials, and the output, which recomputes
+// each exponential rather than holding a row of floats (the SFU has the spare throughput;
+// the registers are what bound the bytes in flight). exp2f((x - max) * log2e): x - max is
+// exact near the max, where the terms matter.
 template <typename T, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads_for(NV * VEC))
+__global__ void __launch_bounds__(max_threads_for(NV * unit_regs<T, VEC>()))
     softmax_forward_kernel(const T* x, T* y, int64_t rows, int64_t cols) {
-  __shared__ float red[3][32];
+  __shared__ float red[2][32];
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool live = row < rows;
-  const int64_t base = (live ? row : 0) * cols;
-  float v[NV][VEC];
-  float local_max = -INFINITY;
-  bool nan_seen = false;
+  const T* xr = x + (live ? row : 0) * cols;
+  T* yr = y + (live ? row : 0) * cols;
+  const int width = int(cols);  // at most kMaxGroup * kMaxVectors * VEC: 32-bit column offsets
+  Unit<T, VEC> u[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
-    if (live && c < cols) {
-      load_n<VEC>(x + base + c, v[j]);
+    const int c = (j * int(blockDim.x) + int(threadIdx.x)) * VEC;
+    if (live && c < width) load_unit<VEC>(xr + c, u[j]);
+    else fill_unit_neg_inf<VEC, T>(u[j]);  // adds nothing to the max, exp(-inf) = 0 to the sum
+  }
+  float local_max = -INFINITY;
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        nan_seen |= v[j][k] != v[j][k];
-        local_max = fmaxf(local_max, v[j][k]);  // fmaxf skips NaN
-      }
-    } else {
+  for (int j = 0; j < NV; ++j) {
+    float v[VEC];
+    unpack_unit<VEC, T>(u[j], v);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) v[j][k] = -INFINITY;  // adds exp(-inf) = 0 below
+    for (int k = 0; k < VEC; ++k) local_max = vec::max_nan(local_max, v[k]);
+  }
+  const float row_max = group_reduce(local_max, red[0], MaxNan{});
+  // A NaN row is all NaN, a fully masked one (max -inf) all zeros; both skip the sum, the
+  // branch is uniform over the group. A +inf max gives NaN through inf - inf, as on the CPU.
+  const bool special = row_max != row_max || row_max == -INFINITY;
+  float local_sum = 0.0f;
+  if (!special) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      float v[VEC];
+      unpack_unit<VEC, T>(u[j], v);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) local_sum += exp2f((v[k] - row_max) * kLog2e);
     }
   }
-  const float row_max = group_reduce(local_max, red[0], Max{});
-  const bool any_nan = group_reduce(nan_seen ? 1.0f : 0.0f, red[1], Max{}) > 0.0f;
-  // A NaN row is all NaN; a fully masked one all zeros (row_max = -inf: every exp is 0 and
-  // the sum 0, handled without dividing).
-  float local_sum = 0.0f;
-  if (!any_nan && row_max != -INFINITY) {
-#pragma unroll
-    for (int j = 0; j < NV; ++j)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        v[j][k] = expf(v[j][k] - row_max);
-        local_sum += v[j][k];
-      }
-  }
-  const float sum = group_reduce(local_sum, red[2], Sum{});
+  const float sum = group_reduce(local_sum, red[1], Sum{});
   if (!live) return;
-  const float inv = 1.0f / sum;
+  const float inv = 1.0f / sum, fill = row_max != row_max ? NAN : 0.0f;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
-    if (c >= cols) continue;
-    float out[VEC];
+    const int c = (j * int(blockDim.x) + int(threadIdx.x)) * VEC;
+    if (c >= width) continue;
+    float v[VEC];
+    unpack_unit<VEC, T>(u[j], v);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) out[k] = any_nan ? NAN : (row_max == -INFINITY ? 0.0f : v[j][k] * inv);
-    store_n<VEC>(y + base + c, out);
+    for (int k = 0; k < VEC; ++k) v[k] = special ? fill : exp2f((v[k] - row_max) * kLog2e) * inv;
+    store_n<VEC>(yr + c, v);
   }
 }
 
@@ -206,20 +248,20 @@ __global__ void __launch_bounds__(kLoopThreads)
 
 // ---- Launch -------------------------------------------------------------------------------
 
-// Threads per row (a power of two up to kMaxGroup, each holding about 4 units), rows per
-// block (several only for groups of a warp or less: group_reduce needs a several-warp group
-// to be the whole block), and units per thread (a power of two; 0 when the row needs the
-// looping kernel: too many units, or a group larger than the kernel's launch bound).
-// `arrays`: the row-long register arrays the kernel keeps (1 forward, 2 backward).
+// Threads per row (a power of two up to kMaxGroup, each holding about `per_thread` units),
+// rows per block (several only for groups of a warp or less: group_reduce needs a
+// several-warp group to be the whole block), and units per thread (a power of two; 0 when
+// the row needs the looping kernel: too many units, or a group larger than the kernel's
+// launch bound). `regs`: the 32-bit registers one unit takes in the kernel's row arrays.
 struct RowConfig {
   int tpr, rpb, nv;
 };
-RowConfig row_config(int64_t units, int vec, int arrays) {
+RowConfig row_config(int64_t units, int regs, int per_thread) {
   int tpr = 1;
-  while (tpr < (units + 3) / 4 && tpr < kMaxGroup) tpr *= 2;
+  while (tpr < (units + per_thread - 1) / per_thread && tpr < kMaxGroup) tpr *= 2;
   int nv = 1;
   while (nv < (units + tpr - 1) / tpr) nv *= 2;
-  const bool fits = nv <= kMaxVectors && tpr <= max_threads_for(arrays * nv * vec);
+  const bool fits = nv <= kMaxVectors && tpr <= max_threads_for(regs * nv);
   return {tpr, tpr > 32 ? 1 : kBlockThreads / tpr, fits ? nv : 0};
 }
 
@@ -232,11 +274,17 @@ void dispatch_nv(int nv, Fn&& fn) {
 }
 
 // fn(Int<VEC>, cfg, blocks) for the register kernels, or wide() for the looping one.
+// `arrays`: the row-long float arrays the kernel keeps (2 in the backward), or 0 for the
+// forward, which keeps the row packed (unit_regs). A packed BF16 unit is half an F32 one,
+// so a thread holds 8 of them (32 registers) where it would hold 4 float units.
 template <typename T, typename Fn, typename Wide>
 void launch_rows(int64_t rows, int64_t cols, bool aligned, int arrays, Fn&& fn, Wide&& wide) {
   TESSERA_CHECK(rows <= 0x7fffffff, "softmax on CUDA: ", rows, " rows exceed one grid");
   const bool vectorised = aligned && cols % vec::kWidth == 0;
-  const RowConfig cfg = row_config(vectorised ? cols / vec::kWidth : cols, vectorised ? vec::kWidth : 1, arrays);
+  const int unit = vectorised ? vec::kWidth : 1;
+  const int regs = arrays > 0 ? arrays * unit : (vectorised ? unit_regs<T, vec::kWidth>() : unit_regs<T, 1>());
+  const int per_thread = arrays == 0 && vectorised && sizeof(T) == 2 ? 8 : 4;
+  const RowConfig cfg = row_config(vectorised ? cols / vec::kWidth : cols, regs, per_thread);
   if (cfg.nv == 0) {
     wide();
     return;
@@ -257,7 +305,7 @@ void softmax_forward(void* stream, const Tensor& x, Tensor& y) {
     const T* xp = x.data<T>();
     T* yp = y.data<T>();
     launch_rows<T>(
-        rows, cols, vec::aligned16(xp) && vec::aligned16(yp), 1,
+        rows, cols, vec::aligned16(xp) && vec::aligned16(yp), 0,
         [&](auto vec_tag, RowConfig cfg, unsigned blocks) {
           dispatch_nv(cfg.nv, [&](auto nv_tag) {
             softmax_forward_kernel<T, decltype(vec_tag)::value, decltype(nv_tag)::value>

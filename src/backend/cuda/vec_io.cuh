@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -73,6 +74,53 @@ __device__ __forceinline__ void store8(bf16* p, const float (&v)[kWidth]) {
     w[k] = static_cast<uint32_t>(float_to_bf16_bits(v[2 * k])) |
            (static_cast<uint32_t>(float_to_bf16_bits(v[2 * k + 1])) << 16);
   *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// An 8-element vector kept as loaded (16 bytes of BF16 in 4 registers, 32 bytes of F32 in
+// 8): a kernel that holds a row in registers and unpacks it on each pass keeps BF16 rows in
+// half the registers, so more rows stay in flight per SM.
+template <typename T>
+struct Packed8;
+template <>
+struct Packed8<float> {
+  float4 a, b;
+};
+template <>
+struct Packed8<bf16> {
+  uint4 w;
+};
+
+__device__ __forceinline__ void load_packed(const float* p, Packed8<float>& r) {
+  r.a = reinterpret_cast<const float4*>(p)[0];
+  r.b = reinterpret_cast<const float4*>(p)[1];
+}
+__device__ __forceinline__ void load_packed(const bf16* p, Packed8<bf16>& r) { r.w = *reinterpret_cast<const uint4*>(p); }
+
+__device__ __forceinline__ void unpack(const Packed8<float>& r, float (&v)[kWidth]) {
+  v[0] = r.a.x, v[1] = r.a.y, v[2] = r.a.z, v[3] = r.a.w, v[4] = r.b.x, v[5] = r.b.y, v[6] = r.b.z, v[7] = r.b.w;
+}
+__device__ __forceinline__ void unpack(const Packed8<bf16>& r, float (&v)[kWidth]) {
+  const uint32_t w[4] = {r.w.x, r.w.y, r.w.z, r.w.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = bits_float(w[k] << 16);
+    v[2 * k + 1] = bits_float(w[k] & 0xffff0000u);
+  }
+}
+
+// All eight elements -inf (padding that adds exp(-inf) = 0 to a sum and nothing to a max).
+__device__ __forceinline__ void fill_neg_inf(Packed8<float>& r) {
+  r.a = r.b = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+}
+__device__ __forceinline__ void fill_neg_inf(Packed8<bf16>& r) {
+  r.w = make_uint4(0xff80ff80u, 0xff80ff80u, 0xff80ff80u, 0xff80ff80u);
+}
+
+// max that returns NaN when either operand is NaN (fmaxf drops NaN): one instruction on sm_80+.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
 }
 
 // Elements to skip from p before it is 16-byte aligned (p is aligned to its element size).
