@@ -4,7 +4,9 @@
 // the bottom-right causal mask, fewer keys than queries without it, GQA and MQA, custom
 // and negative scales. Outputs are poisoned first (NaN), so an element a kernel forgets to
 // write fails; dq, dk and dv must be overwritten. lse is compared too. Skipped (saying so)
-// where no GPU is present. The attention backend is forced to tessera here; cuDNN's path
+// where no GPU is present. The tensor-core backward runs in both of its variants:
+// deterministic (the default) and atomic (set_attention_deterministic(false): dQ summed
+// with FP32 atomics inside the dK/dV pass). The attention backend is forced to tessera here; cuDNN's path
 // and the choice between the two are tested in tests/test_gpu_attention_cudnn.cpp.
 #include <cmath>
 #include <string>
@@ -12,6 +14,7 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/ops/attention.h"
+#include "tessera/train/config.h"
 #include "gpu_testing.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/attention.h"
@@ -139,6 +142,58 @@ TEST(GpuAttention, TensorCorePathMatchesTheCpuReference) {
   for (const Case& c : kFastCases) check_case(c, DType::BF16, seed += 10);
 }
 
+// Sets attention_deterministic() for a scope and restores it afterwards (failing assertions too).
+struct DeterministicScope {
+  bool saved = attention_deterministic();
+  explicit DeterministicScope(bool value) { set_attention_deterministic(value); }
+  ~DeterministicScope() { set_attention_deterministic(saved); }
+};
+
+// More shapes for the atomic variant: a dQ row block summed over several key blocks (S >
+// 128), several query tiles per key block, odd lengths on both sides, partial key blocks.
+const std::vector<Case> kAtomicExtraCases = {
+    {"atomic_causal_T1000_gqa", 1, 1000, 1000, 8, 2, 128, true},
+    {"atomic_noncausal_T333_S517", 1, 333, 517, 4, 4, 64, false},
+    {"atomic_causal_T77_S901_mqa", 2, 77, 901, 4, 1, 128, true},
+    {"atomic_noncausal_T129_S129_gqa", 2, 129, 129, 6, 3, 64, false},
+    {"atomic_causal_T385_S385", 1, 385, 385, 2, 2, 64, true},
+    {"atomic_noncausal_T500_S64", 1, 500, 64, 2, 1, 128, false},
+};
+
+TEST(GpuAttention, AtomicDqBackwardMatchesTheCpuReference) {
+  REQUIRE_GPU();
+  const DeterministicScope atomic(false);
+  uint64_t seed = 1700;
+  for (const Case& c : kFastCases) check_case(c, DType::BF16, seed += 10);
+  for (const Case& c : kAtomicExtraCases) check_case(c, DType::BF16, seed += 10);
+}
+
+// The setting only concerns the tensor-core kernel: the generic path is right either way.
+TEST(GpuAttention, AtomicSettingLeavesTheGenericPathRight) {
+  REQUIRE_GPU();
+  const DeterministicScope atomic(false);
+  check_case({"f32_causal_gqa_T17", 2, 17, 17, 4, 2, 64, true}, DType::F32, 1800);
+  check_case({"bf16_D40", 1, 130, 130, 4, 2, 40, true}, DType::BF16, 1810);
+}
+
+// No GPU needed: the setting's default and the training config key that sets it.
+TEST(GpuAttention, DeterministicIsTheDefaultAndAConfigKey) {
+  EXPECT_TRUE(attention_deterministic());
+  {
+    const DeterministicScope atomic(false);
+    EXPECT_FALSE(attention_deterministic());
+  }
+  EXPECT_TRUE(attention_deterministic());
+  EXPECT_TRUE(train::RunConfig::from_json(nlohmann::json::object()).training.deterministic_attention);
+  nlohmann::json j;
+  j["training"]["deterministic_attention"] = false;
+  const train::RunConfig c = train::RunConfig::from_json(j);
+  EXPECT_FALSE(c.training.deterministic_attention);
+  EXPECT_FALSE(c.to_json()["training"]["deterministic_attention"].get<bool>());
+  j["training"]["deterministic_attention"] = "sometimes";
+  EXPECT_THROW(train::RunConfig::from_json(j), Error);
+}
+
 TEST(GpuAttention, GenericPathMatchesTheCpuReference) {
   REQUIRE_GPU();
   uint64_t seed = 900;
@@ -215,6 +270,7 @@ TEST(GpuAttention, NanQueryRowStaysNan) {
 // Every gradient element has one writer, so the backward is bitwise repeatable.
 TEST(GpuAttention, BackwardIsDeterministic) {
   REQUIRE_GPU();
+  const DeterministicScope deterministic(true);
   Context gpu = Context::cuda();
   const Case c{"det", 1, 300, 300, 8, 2, 128, true};
   const Device cuda = Device::cuda();
@@ -234,6 +290,36 @@ TEST(GpuAttention, BackwardIsDeterministic) {
     else
       for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == first[i]) << "gradient " << i << " differs";
   }
+}
+
+// The atomic variant: dK and dV still have one writer each (bitwise repeatable); dQ may
+// differ in its last bits between runs but stays close to the deterministic variant's.
+TEST(GpuAttention, AtomicBackwardAgreesWithTheDeterministicOne) {
+  REQUIRE_GPU();
+  Context gpu = Context::cuda();
+  const Case c{"atomic_vs_det", 2, 700, 700, 8, 2, 128, true};
+  const Device cuda = Device::cuda();
+  const Tensor q = random_tensor(c.q_shape(), DType::BF16, 1600, -2.0f, 2.0f).to(cuda);
+  const Tensor k = random_tensor(c.kv_shape(), DType::BF16, 1601, -2.0f, 2.0f).to(cuda);
+  const Tensor v = random_tensor(c.kv_shape(), DType::BF16, 1602).to(cuda);
+  const Tensor d_out = random_tensor(c.q_shape(), DType::BF16, 1603).to(cuda);
+  Tensor out = Tensor::empty(c.q_shape(), DType::BF16, cuda), lse = Tensor::empty(c.lse_shape(), DType::F32, cuda);
+  attention_forward(gpu, q, k, v, out, lse, c.options());
+  std::vector<Tensor> runs;  // dq, dk, dv of: deterministic, atomic, atomic
+  for (const bool deterministic : {true, false, false}) {
+    const DeterministicScope scope(deterministic);
+    Tensor dq = poisoned_on_gpu(c.q_shape(), DType::BF16), dk = poisoned_on_gpu(c.kv_shape(), DType::BF16),
+           dv = poisoned_on_gpu(c.kv_shape(), DType::BF16);
+    attention_backward(gpu, d_out, q, k, v, out, lse, dq, dk, dv, c.options());
+    runs.insert(runs.end(), {cpu(dq), cpu(dk), cpu(dv)});
+  }
+  EXPECT_LT(relative_error(runs[3], runs[0]), 1e-2) << "dq, atomic against deterministic";
+  EXPECT_LT(relative_error(runs[6], runs[0]), 1e-2) << "dq, second atomic run against deterministic";
+  // dK and dV come from the same per-warp register sums in both variants (one writer each).
+  EXPECT_LT(relative_error(runs[4], runs[1]), 1e-2) << "dk, atomic against deterministic";
+  EXPECT_LT(relative_error(runs[5], runs[2]), 1e-2) << "dv, atomic against deterministic";
+  EXPECT_TRUE(runs[7].to_doubles() == runs[4].to_doubles()) << "dk differs between atomic runs";
+  EXPECT_TRUE(runs[8].to_doubles() == runs[5].to_doubles()) << "dv differs between atomic runs";
 }
 
 TEST(GpuAttention, F64HasNoCudaKernel) {

@@ -57,7 +57,7 @@ void add_train_commands(CLI::App& app) {
   static std::string config_path;
   static std::vector<std::string> overrides;
   static std::vector<std::string> resume;
-  static std::string device, precision, attention_backend, cuda_graph;
+  static std::string device, precision, attention_backend, deterministic_attention, cuda_graph;
   CLI::App* train_cmd = app.add_subcommand("train", "Train a model from a YAML/JSON config (see docs/training.md)");
   train_cmd->footer(
       "Several ranks (data and tensor parallelism, docs/distributed.md): `mpirun -np N tessera train CONFIG` (one or many hosts) "
@@ -83,6 +83,11 @@ void add_train_commands(CLI::App& app) {
                         "CUDA attention: auto (the faster per shape, timed once), tessera or cudnn "
                         "(same as --set training.attention_backend=...)")
       ->check(CLI::IsMember({"auto", "tessera", "cudnn"}));
+  train_cmd->add_option("--deterministic-attention", deterministic_attention,
+                        "true (the default): tessera's CUDA attention backward is bitwise repeatable; false: dQ is "
+                        "summed with FP32 atomics, faster, last bits vary between runs "
+                        "(same as --set training.deterministic_attention=...)")
+      ->check(CLI::IsMember({"true", "false"}));
   train_cmd->add_option("--cuda-graph", cuda_graph,
                         "Capture the training step into a CUDA graph: auto (when the run can be), on or off "
                         "(same as --set training.cuda_graph=...)")
@@ -93,6 +98,8 @@ void add_train_commands(CLI::App& app) {
     if (!device.empty()) train::apply_override(j, "training.device=" + device);
     if (!precision.empty()) train::apply_override(j, "training.precision=" + precision);
     if (!attention_backend.empty()) train::apply_override(j, "training.attention_backend=" + attention_backend);
+    if (!deterministic_attention.empty())
+      train::apply_override(j, "training.deterministic_attention=" + deterministic_attention);
     if (!cuda_graph.empty()) train::apply_override(j, "training.cuda_graph=" + cuda_graph);
     train::TrainOptions options;
     if (resume_opt->count() > 0) {

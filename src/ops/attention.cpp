@@ -74,6 +74,8 @@ void check_like(const char* op, const Tensor& t, const char* name, const Tensor&
 
 // The process-wide backend setting; -1 until set or first read (from the environment).
 std::atomic<int> g_attention_backend{-1};
+// Deterministic attention backward (tessera's kernels): on unless switched off.
+std::atomic<bool> g_attention_deterministic{true};
 
 }  // namespace
 
@@ -114,6 +116,10 @@ AttentionBackend attention_backend() {
   }
   return static_cast<AttentionBackend>(value);
 }
+
+void set_attention_deterministic(bool deterministic) { g_attention_deterministic.store(deterministic); }
+
+bool attention_deterministic() { return g_attention_deterministic.load(); }
 
 std::vector<std::string> attention_backend_choices() {
 #if TESSERA_WITH_CUDA

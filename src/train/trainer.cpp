@@ -216,6 +216,7 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
   const DType dtype = pick_dtype(t.precision, ctx);
   // "auto" leaves the process default alone, which TESSERA_ATTENTION_BACKEND may have set.
   if (t.attention_backend != "auto") set_attention_backend(parse_attention_backend(t.attention_backend));
+  set_attention_deterministic(t.deterministic_attention);
   models::TransformerLM model(c.model, dtype, dist_run.parallel_context());
   model.to(ctx.device);
   model.init(ctx, t.seed);
@@ -562,8 +563,9 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
           grad_norm = opt.step(ctx, lr);
         }
       }
+      // Delayed scaling: next step's scales (the captured step queues this itself).
+      if (fp8_state) fp8_state->end_step(ctx);
     }
-    if (fp8_state) fp8_state->end_step(ctx);                  // delayed scaling: next step's scales
     if (c.model.is_moe()) model.update_expert_biases(ctx);   // auxiliary-loss-free balancing
     const double seen_loss = fault_once(faults.loss_spike_at_step, 1) ? loss * 10 + 10 : loss;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -87,4 +87,17 @@ std::vector<std::string> attention_backend_choices();
 // again (for tests and benchmarks).
 void clear_attention_backend_choices();
 
+// ---- Deterministic backward -------------------------------------------------------------
+//
+// On (the default), tessera's CUDA attention backward is bitwise repeatable: every gradient
+// element has one writer (a dK/dV pass, then a dQ pass that recomputes the scores and dP).
+// Off, tessera's tensor-core backward (BF16, D = 64 / 128) computes dQ inside the dK/dV pass
+// and sums the key blocks' contributions with FP32 atomic adds into a scratch buffer, as
+// FlashAttention-2 (and cuDNN by default) do: 5 matrix products instead of 7, so faster,
+// but the order of the additions varies from run to run and so do dQ's last bits (dK, dV
+// stay repeatable). The setting is process-wide; CPU contexts, the generic CUDA kernels and
+// cuDNN ignore it (training.deterministic_attention in a training config sets it).
+void set_attention_deterministic(bool deterministic);
+bool attention_deterministic();
+
 }  // namespace tessera

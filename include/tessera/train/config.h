@@ -89,6 +89,7 @@ struct TrainingConfig {
   std::string precision = "auto"; // auto (bf16 on cuda, fp32 on cpu), fp32, bf16
   std::string attention_backend = "auto";  // CUDA attention: auto (faster per shape), tessera, cudnn
   std::string cuda_graph = "auto";  // capture the step into a CUDA graph: auto (when it can be), on, off
+  bool deterministic_attention = true;  // bitwise-repeatable CUDA attention backward; false: atomic dQ, faster
   double max_minutes = 0;         // stop (and checkpoint) after this long; 0: no limit
   std::string init_from;          // start from these weights: a tessera checkpoint or run dir, or a Hugging Face dir
   std::string sample_prompt;      // printed with a sample at the end when non-empty

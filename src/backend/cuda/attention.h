@@ -40,9 +40,13 @@ bool attention_fast_path(const Tensor& q, const Tensor& k, const Tensor& lse,
 // variant: the tile shape (0: the default), for benchmarks; see attention_fwd.cu.
 void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                             Tensor& lse, bool causal, float scale, int variant = 0);
+// deterministic: the dK/dV pass plus a separate dQ pass, bitwise repeatable (the default);
+// false: dQ accumulated inside the dK/dV pass with FP32 atomics into a scratch buffer and
+// converted at the end (FlashAttention-2's scheme: fewer products, faster, run-to-run
+// differences in dQ's last bits). attention_backward passes tessera::attention_deterministic().
 void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool causal,
-                             float scale);
+                             float scale, bool deterministic = true);
 
 void attention_forward_generic(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                                Tensor& lse, bool causal, float scale);

@@ -22,6 +22,16 @@
 // Causal tiles that a warp cannot see are skipped; tiles on the diagonal or at the
 // sequence ends are masked.
 //
+// The atomic variant (deterministic == false; tessera::set_attention_deterministic) is
+// FlashAttention-2's: kernel 2 with kAtomicDq also stages each step's dS^T in shared memory
+// (16 KB more) and computes dQ += dS K for the tile's 64 query rows from it and the K
+// already resident, adding the partial to an F32 scratch [B, T, Hq, D] with FP32 atomics;
+// a small kernel converts the scratch to BF16 dq. 5 products instead of 7, no dQ pass, but
+// the order of the atomic adds (so dQ's last bits) varies between runs. Measured on the H200
+// (2026-11-30, B=4 H=32 T=4096 D=128 causal): backward 211.9 against 205.7 TFLOP/s,
+// forward+backward 226.4 against 218.0: only 3-4% for 2 of 7 products fewer, because the
+// dK/dV kernel (255 registers, spilling) is the bottleneck and now does more per step.
+//
 // Floor: the 5 products FlashAttention-2 counts (2.5x the forward's FLOPs) over ~989
 // TFLOP/s; this split does 7 (dQ's pass recomputes 2), so 1.4x that count is executed.
 // Measured on the H200 (bench/attention_bench.cu, causal, FlashAttention's count):
@@ -31,10 +41,13 @@
 // bytes at 255 registers.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "attention.h"
 #include "attention_common.cuh"
 #include "attention_cudnn.h"
 #include "cuda_check.h"
+#include "tessera/ops/attention.h"
 
 namespace tessera::cuda {
 
@@ -55,6 +68,8 @@ constexpr int dkdv_smem_bytes() {
   // K, V (once), then Q[2], dO[2], lse[2], Delta[2].
   return 2 * kKVKeys * D * 2 + 4 * kKVRows * D * 2 + 4 * kKVRows * 4;
 }
+// The atomic variant stages the step's dS^T (keys x query rows, BF16) after those.
+constexpr int kDsBytes = kKVKeys * kKVRows * 2;
 
 struct BwdParams {
   const bf16_t* q;
@@ -70,9 +85,74 @@ struct BwdParams {
   float scale;
   float scale_log2;
   bool causal;
+  float* dq_accum;  // the atomic variant's unscaled F32 dQ [B, T, Hq, D], zeroed first
 };
 
+// Two FP32 atomic adds at an 8-byte-aligned address (one vector red on sm_90).
+__device__ __forceinline__ void atomic_add2(float* at, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y));
+#else
+  atomicAdd(at, x);
+  atomicAdd(at + 1, y);
+#endif
+}
+
+// The atomic variant's dQ for one step of the dK/dV kernel: dQ(64 x D) += dS(64 x 128) K(128 x D)
+// with dS^T staged at s_ds (a kKVKeys x kKVRows tile) and K resident at s_k. Warp w takes
+// query rows 16 (w % 4) .. +15 and the column half w / 4, over the 16-key blocks that
+// those rows can see (every other dS entry of theirs is zero), and adds its partial,
+// unscaled, to dq_accum with 8-byte FP32 atomics. All the dS it reads were written this
+// step: a key block visible to some row here is visible to the tile's last row, which
+// makes its warp active in the dK/dV pass.
 template <int D>
+__device__ __forceinline__ void dq_step_atomic(const BwdParams& p, uint32_t s_ds, uint32_t s_k, int b, int h, int q0,
+                                               int k0, int warp, int lane) {
+  constexpr int kHalfBlocks = D / 32;  // 16-column blocks per column half
+  const int T = p.T, S = p.S;
+  const int row0 = q0 + 16 * (warp & 3), half = warp >> 2;
+  if (row0 >= T) return;
+  const int row_last = min(row0 + 15, T - 1);
+  const int key_end = p.causal ? min(S, row_last + (S - T) + 1) : S;
+  const int kc_end = min(kKVKeys / 16, max(0, (key_end - k0 + 15) / 16));
+  if (kc_end == 0) return;
+  float acc[2 * kHalfBlocks][4];
+#pragma unroll
+  for (int i = 0; i < 2 * kHalfBlocks; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int kc = 0; kc < kc_end; ++kc) {
+    // A = dS rows row0.. (queries) x keys 16kc..: the transposed 8x8 blocks of dS^T.
+    uint32_t a[4];
+    ldmatrix_x4_trans(a, b_addr<kKVRows>(s_ds, kc * 16, warp & 3, lane));
+#pragma unroll
+    for (int dp = 0; dp < kHalfBlocks; ++dp) {
+      uint32_t r[4];
+      ldmatrix_x4_trans(r, bt_addr<D>(s_k, kc * 16, half * kHalfBlocks + dp, lane));
+      mma_bf16(acc[2 * dp], a, r[0], r[1]);
+      mma_bf16(acc[2 * dp + 1], a, r[2], r[3]);
+    }
+  }
+  const int64_t q_stride = static_cast<int64_t>(p.Hq) * D;
+  const int row_a = row0 + (lane >> 2), row_b = row_a + 8;
+  float* dst = p.dq_accum + static_cast<int64_t>(b) * T * q_stride + static_cast<int64_t>(h) * D + half * (D / 2) +
+               2 * (lane & 3);
+  if (row_a < T) {
+    float* at = dst + row_a * q_stride;
+#pragma unroll
+    for (int j = 0; j < 2 * kHalfBlocks; ++j)
+      atomic_add2(at + j * 8, acc[j][0], acc[j][1]);
+  }
+  if (row_b < T) {
+    float* at = dst + row_b * q_stride;
+#pragma unroll
+    for (int j = 0; j < 2 * kHalfBlocks; ++j)
+      atomic_add2(at + j * 8, acc[j][2], acc[j][3]);
+  }
+}
+
+// kAtomicDq: also dQ += dS K per step, dS staged through shared memory and the block's
+// 64 x D partial added to p.dq_accum with FP32 atomics (no separate dQ pass, not
+// bitwise repeatable). kAtomicDq = false is the deterministic kernel, unchanged.
+template <int D, bool kAtomicDq>
 __global__ void __launch_bounds__(kBwdThreads, 1) attention_dkdv_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int kKC = D / 16;
@@ -93,6 +173,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) attention_dkdv_kernel(const Bw
   const uint32_t s_do = s_q + 2 * kRowTile;
   const uint32_t s_stat = s_do + 2 * kRowTile;  // lse[2][rows], then Delta[2][rows]
   const float* stat = reinterpret_cast<const float*>(smem + (s_stat - s_k));
+  // dS^T: row = the block's key, 64 query columns, swizzled like the D = 64 tiles.
+  const uint32_t s_ds = s_stat + 4 * kKVRows * 4;
 
   // Queries [first_q, T) see at least one key of this block.
   const int first_q = p.causal ? max(0, k0 - diag) : 0;
@@ -164,7 +246,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) attention_dkdv_kernel(const Bw
       }
       const float* lse_s = stat + buf * kKVRows;
       const float* delta_s = stat + (2 + buf) * kKVRows;
-      const bool need_mask = q0 + kKVRows > T || (p.causal && w_key0 + 15 > q0 + diag);
+      // Keys past S (zero rows of K and V) only matter to dQ: dK, dV of them are not stored.
+      const bool need_mask = q0 + kKVRows > T || (p.causal && w_key0 + 15 > q0 + diag) ||
+                             (kAtomicDq && w_key0 + 15 >= S);
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
@@ -173,7 +257,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) attention_dkdv_kernel(const Bw
           float pv = exp2_approx(st[nt][e] * p.scale_log2 - lse_s[i_local] * kLog2e);
           if (need_mask) {
             const int i = q0 + i_local, key = e < 2 ? key_a : key_b;
-            if (i >= T || (p.causal && key > i + diag)) pv = 0.0f;
+            if (i >= T || (p.causal && key > i + diag) || (kAtomicDq && key >= S)) pv = 0.0f;
           }
           st[nt][e] = pv;
           dpt[nt][e] = pv * (dpt[nt][e] - delta_s[i_local]);
@@ -184,6 +268,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) attention_dkdv_kernel(const Bw
         uint32_t pa[4], da[4];
         scores_to_a(pa, st[2 * kc], st[2 * kc + 1]);
         scores_to_a(da, dpt[2 * kc], dpt[2 * kc + 1]);
+        if constexpr (kAtomicDq) {
+          // da[0..3] = (key g | g+8, queries 16kc + 2c, +1 | 16kc + 8 + 2c, +1), g = lane / 4.
+          const int row = warp * 16 + (lane >> 2);
+          const uint32_t word = 4 * (lane & 3);
+          st_shared_u32(s_ds + tile_offset<kKVRows>(row, 2 * kc) + word, da[0]);
+          st_shared_u32(s_ds + tile_offset<kKVRows>(row + 8, 2 * kc) + word, da[1]);
+          st_shared_u32(s_ds + tile_offset<kKVRows>(row, 2 * kc + 1) + word, da[2]);
+          st_shared_u32(s_ds + tile_offset<kKVRows>(row + 8, 2 * kc + 1) + word, da[3]);
+        }
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t r[4];
@@ -195,6 +288,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) attention_dkdv_kernel(const Bw
           mma_bf16(dk[2 * dp + 1], da, r[2], r[3]);
         }
       }
+    }
+    if constexpr (kAtomicDq) {
+      __syncthreads();  // every active warp's dS^T is in shared memory
+      const int h = kvh * p.group + step / per_head;
+      dq_step_atomic<D>(p, s_ds, s_k, b, h, q0, k0, warp, lane);
     }
     cp_async_wait_all();
     __syncthreads();
@@ -364,14 +462,40 @@ __global__ void __launch_bounds__(kBwdThreads, 1) attention_dq_kernel(const BwdP
   }
 }
 
+// dq = BF16(scale * dq_accum), four elements a thread (n is a multiple of 4: D is 64 or 128).
+__global__ void attention_dq_convert_kernel(const float4* __restrict__ acc, uint2* __restrict__ dq, int64_t n4,
+                                            float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 v = acc[i];
+    dq[i] = make_uint2(pack_bf16(v.x * scale, v.y * scale), pack_bf16(v.z * scale, v.w * scale));
+  }
+}
+
+template <int D>
+void launch_backward_atomic(cudaStream_t stream, const BwdParams& p, int64_t B, int64_t dq_numel) {
+  constexpr int kv_smem = dkdv_smem_bytes<D>() + kDsBytes;
+  TESSERA_CUDA_CHECK(
+      cudaFuncSetAttribute(attention_dkdv_kernel<D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
+  TESSERA_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, dq_numel * sizeof(float), stream));
+  const dim3 kv_grid(static_cast<unsigned>(B * p.Hkv), static_cast<unsigned>((p.S + kKVKeys - 1) / kKVKeys));
+  attention_dkdv_kernel<D, true><<<kv_grid, kBwdThreads, kv_smem, stream>>>(p);
+  TESSERA_CUDA_CHECK_LAUNCH();
+  const int64_t n4 = dq_numel / 4;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n4 + 255) / 256, 132 * 16));
+  attention_dq_convert_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float4*>(p.dq_accum),
+                                                          reinterpret_cast<uint2*>(p.dq), n4, p.scale);
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
+
 template <int D>
 void launch_backward(cudaStream_t stream, const BwdParams& p, int64_t B) {
   constexpr int kv_smem = dkdv_smem_bytes<D>(), q_smem = dq_smem_bytes<D>();
   TESSERA_CUDA_CHECK(
-      cudaFuncSetAttribute(attention_dkdv_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
+      cudaFuncSetAttribute(attention_dkdv_kernel<D, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
   TESSERA_CUDA_CHECK(cudaFuncSetAttribute(attention_dq_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, q_smem));
   const dim3 kv_grid(static_cast<unsigned>(B * p.Hkv), static_cast<unsigned>((p.S + kKVKeys - 1) / kKVKeys));
-  attention_dkdv_kernel<D><<<kv_grid, kBwdThreads, kv_smem, stream>>>(p);
+  attention_dkdv_kernel<D, false><<<kv_grid, kBwdThreads, kv_smem, stream>>>(p);
   TESSERA_CUDA_CHECK_LAUNCH();
   const dim3 q_grid(static_cast<unsigned>(B * p.Hq), static_cast<unsigned>((p.T + kQRows - 1) / kQRows));
   attention_dq_kernel<D><<<q_grid, kBwdThreads, q_smem, stream>>>(p);
@@ -382,7 +506,7 @@ void launch_backward(cudaStream_t stream, const BwdParams& p, int64_t B) {
 
 void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool causal,
-                             float scale) {
+                             float scale, bool deterministic) {
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
   if (B == 0 || Hq == 0 || S == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
@@ -393,6 +517,8 @@ void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q,
   }
   // Scratch from the caching allocator: freed when this returns, reused in stream order.
   Tensor delta = Tensor::empty({B * Hq * T}, DType::F32, q.device());
+  Tensor dq_accum;  // the atomic variant's F32 dQ, the same way
+  if (!deterministic) dq_accum = Tensor::empty({dq.numel()}, DType::F32, q.device());
   attention_backward_delta(stream, d_out, out, delta);
   BwdParams p{static_cast<const bf16_t*>(q.raw_data()),
               static_cast<const bf16_t*>(k.raw_data()),
@@ -410,9 +536,16 @@ void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q,
               static_cast<int>(Hq / Hkv),
               scale,
               scale * kLog2e,
-              causal};
-  if (D == 64) launch_backward<64>(s, p, B);
-  else launch_backward<128>(s, p, B);
+              causal,
+              deterministic ? nullptr : dq_accum.data<float>()};
+  if (!deterministic) {
+    if (D == 64) launch_backward_atomic<64>(s, p, B, dq.numel());
+    else launch_backward_atomic<128>(s, p, B, dq.numel());
+  } else if (D == 64) {
+    launch_backward<64>(s, p, B);
+  } else {
+    launch_backward<128>(s, p, B);
+  }
 }
 
 void attention_backward(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -437,7 +570,7 @@ void attention_backward(void* stream, const Tensor& d_out, const Tensor& q, cons
     return;
   }
   if (attention_fast_path(q, k, lse, {&v, &d_out, &out, &dq, &dk, &dv}))
-    attention_backward_fast(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale);
+    attention_backward_fast(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale, attention_deterministic());
   else
     attention_backward_generic(stream, d_out, q, k, v, out, lse, dq, dk, dv, causal, scale);
 }

@@ -127,7 +127,7 @@ bool decide(void* stream, const Tensor& q, const Tensor& k, bool causal, float s
   }
   const float tessera_ms = time_ms(s, [&] {
     attention_forward_fast(stream, sq, sk, sv, so, slse, causal, scale);
-    attention_backward_fast(stream, sdo, sq, sk, sv, so, slse, sdq, sdk, sdv, causal, scale);
+    attention_backward_fast(stream, sdo, sq, sk, sv, so, slse, sdq, sdk, sdv, causal, scale, attention_deterministic());
   });
   const bool use_cudnn = cudnn_ms < tessera_ms;
   char times[128];
