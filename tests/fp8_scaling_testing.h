@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "tessera/core/error.h"
 #include "tessera/core/philox.h"
 #include "tessera/fp8/device_scaling.h"
 
@@ -70,6 +71,60 @@ inline void check_device_scaling_against_reference(Context& ctx, const fp8::Dela
             << "step " << step << " tensor " << i << " steps_ago " << ago;
       }
     }
+  }
+}
+
+// The ring position on ctx's device: an I64 [1] there, unmoved by record, advanced by each
+// update and wrapping at history_len exactly as DelayedScalingState's host counter (also
+// with no tensors at all); a checkpoint's position (the format of old checkpoints: I64 [1])
+// loads in place and is validated.
+inline void check_device_position(Context& ctx, int64_t len) {
+  fp8::DelayedScalingConfig config;
+  config.history_len = len;
+  const std::vector<fp8::Role> roles = {fp8::Role::Forward, fp8::Role::Gradient};
+  fp8::DeviceDelayedScaling state(ctx, config, roles), empty(ctx, config, {});
+  fp8::DelayedScalingState reference(config, roles);
+  const Tensor& position = state.position_tensor();
+  ASSERT_EQ(position.dtype(), DType::I64);
+  ASSERT_EQ(position.shape(), (Shape{1}));
+  ASSERT_EQ(position.device(), ctx.device);
+  const void* address = position.raw_data();
+  auto reference_position = [&] { return reference.state_dict().at("fp8.position").to_ints()[0]; };
+  for (int64_t step = 0; step < 3 * len + 2; ++step) {
+    ASSERT_EQ(state.position(), reference_position()) << "len " << len << " step " << step;
+    state.pending_amax(0).copy_from(Tensor::from_floats({float(step + 1)}, {1}));
+    state.record(ctx);
+    ASSERT_EQ(state.position(), reference_position()) << "record must not move the position";
+    reference.record(0, float(step + 1));
+    reference.update();
+    state.update(ctx);
+    empty.update(ctx);
+    ASSERT_EQ(state.position(), (step + 1) % len) << "len " << len << " step " << step;
+    ASSERT_EQ(empty.position(), (step + 1) % len) << "len " << len << " step " << step;
+    ASSERT_EQ(state.state_dict().at("fp8.position").to_ints(), std::vector<int64_t>{(step + 1) % len});
+  }
+  ASSERT_EQ(state.position_tensor().raw_data(), address) << "the position must stay where a graph reads it";
+  // A checkpoint of the old layout (written when the position was a host counter).
+  fp8::DeviceDelayedScaling loaded(ctx, config, roles);
+  const void* history_address = loaded.history().raw_data();
+  const void* loaded_address = loaded.position_tensor().raw_data();
+  auto dict = reference.state_dict();
+  for (const int64_t p : {int64_t{0}, len - 1}) {
+    dict["fp8.position"] = Tensor::from_ints({p}, {1}, DType::I64);
+    loaded.load_state_dict(ctx, dict);
+    ASSERT_EQ(loaded.position(), p);
+    ASSERT_EQ(loaded.position_tensor().raw_data(), loaded_address) << "load_state_dict writes in place";
+    ASSERT_EQ(loaded.history().raw_data(), history_address) << "load_state_dict writes in place";
+    loaded.update(ctx);
+    ASSERT_EQ(loaded.position(), (p + 1) % len);
+  }
+  // Outside [0, len), or not I64 [1]: refused, and the state is left as it was.
+  const int64_t before = loaded.position();
+  for (const Tensor& bad : {Tensor::from_ints({len}, {1}, DType::I64), Tensor::from_ints({-1}, {1}, DType::I64),
+                            Tensor::from_ints({0}, {1}, DType::I32), Tensor::from_ints({0, 0}, {2}, DType::I64)}) {
+    dict["fp8.position"] = bad;
+    EXPECT_THROW(loaded.load_state_dict(ctx, dict), Error) << bad.describe();
+    EXPECT_EQ(loaded.position(), before);
   }
 }
 

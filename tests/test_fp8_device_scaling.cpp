@@ -65,3 +65,8 @@ TEST(DeviceDelayedScaling, CheckpointsLoadIntoEitherClass) {
   EXPECT_THROW(other.load_state_dict(ctx, a.state_dict()), Error);
   EXPECT_EQ(other.position(), 0);
 }
+
+TEST(DeviceDelayedScaling, PositionIsATensorThatAdvancesAndWrapsLikeTheHostCounter) {
+  Context ctx = Context::cpu();
+  for (const int64_t len : {1, 2, 5, 16}) check_device_position(ctx, len);
+}

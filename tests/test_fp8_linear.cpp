@@ -59,6 +59,38 @@ TEST(Fp8Linear, ForwardIsTheFp8GemmOfTheRecipesCasts) {
   EXPECT_EQ(y.to_doubles(), want.to_doubles());
 }
 
+// What the FP8 path keeps between forward and backward: the transposed copies of x and W
+// (what dx = dy W and dW = dy^T x read), not the row-wise ones; dy's row-wise copy goes
+// after the dx GEMM. The results are those of the full copies (ForwardIs... above, and the
+// LayerNormLinear / model tests, compare bits).
+TEST(Fp8Linear, KeepsOnlyTheCopiesTheBackwardReads) {
+  Context ctx = Context::cpu();
+  for (const char* recipe : {"current", "delayed"}) {
+    nn::Linear layer = bf16_linear(32, 48, true, 1);
+    auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe_named(recipe), 1);
+    layer.use_fp8({scaling, 0});
+    const Tensor x = random_tensor({64, 32}, DType::BF16, 3, -2, 2);
+    const Tensor dy = random_tensor({64, 48}, DType::BF16, 4);
+    nn::Linear::Saved saved;
+    layer.forward(ctx, x, saved);
+    ASSERT_TRUE(saved.fp8);
+    EXPECT_FALSE(saved.x_fp8.data.defined()) << recipe;
+    EXPECT_FALSE(saved.w_fp8.data.defined()) << recipe;
+    ASSERT_TRUE(saved.x_fp8.data_t.defined() && saved.w_fp8.data_t.defined()) << recipe;
+    EXPECT_EQ(saved.x_fp8.data_t.shape(), (Shape{32, 64}));
+    EXPECT_EQ(saved.w_fp8.data_t.shape(), (Shape{32, 48}));
+    // x^T is the transpose of what quantizing x gives now (same scale: current scaling's own
+    // amax; delayed scaling's scale does not move before end_step).
+    const fp8::QuantizedTensor again = scaling->quantize(ctx, x, 0, nn::Fp8Scaling::kInput);
+    EXPECT_EQ(saved.x_fp8.data_t.to_doubles(), again.data_t.to_doubles()) << recipe;
+    layer.backward_input(ctx, dy, saved);
+    EXPECT_FALSE(saved.dy_fp8.data.defined()) << recipe;
+    ASSERT_TRUE(saved.dy_fp8.data_t.defined()) << recipe;
+    layer.backward_weight(ctx, dy, saved);
+    EXPECT_FALSE(saved.dy_fp8.data_t.defined()) << recipe;
+  }
+}
+
 TEST(Fp8Linear, GradientsStayCloseToBf16) {
   Context ctx = Context::cpu();
   for (const char* recipe : {"current", "delayed"}) {

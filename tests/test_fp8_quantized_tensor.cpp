@@ -155,6 +155,34 @@ TEST(Fp8QuantizedTensor, RejectsBadArguments) {
   EXPECT_THROW(fp8_gemm(ctx, qa, false, qa, false, c), Error);
 }
 
+// A quantized tensor that kept one copy only (nn::Linear drops the row-wise ones after the
+// forward): fp8_gemm takes it wherever its orientation reads that copy, with the bits of
+// the full tensor, and refuses it where it reads the missing one.
+TEST(Fp8QuantizedTensor, GemmReadsOnlyTheCopyItsOrientationNeeds) {
+  Context ctx = Context::cpu();
+  const QuantizedTensor a = quantize_current(ctx, random_tensor({8, 16}, DType::F32, 3), DType::E4M3);
+  const QuantizedTensor b = quantize_current(ctx, random_tensor({12, 16}, DType::F32, 4), DType::E4M3);
+  auto only = [](QuantizedTensor q, bool keep_data) {
+    (keep_data ? q.data_t : q.data) = Tensor();
+    return q;
+  };
+  EXPECT_EQ(only(a, false).rows(), 8);
+  EXPECT_EQ(only(a, false).cols(), 16);
+  Tensor full = Tensor::empty({8, 12}, DType::F32), part = Tensor::empty({8, 12}, DType::F32);
+  fp8_gemm(ctx, a, false, b, true, full);  // reads a.data and b.data
+  fp8_gemm(ctx, only(a, true), false, only(b, true), true, part);
+  EXPECT_EQ(full.to_doubles(), part.to_doubles());
+  Tensor full_t = Tensor::empty({16, 16}, DType::F32), part_t = Tensor::empty({16, 16}, DType::F32);
+  fp8_gemm(ctx, a, true, a, false, full_t);  // a^T a: reads a.data_t twice
+  fp8_gemm(ctx, only(a, false), true, only(a, false), false, part_t);
+  EXPECT_EQ(full_t.to_doubles(), part_t.to_doubles());
+  EXPECT_THROW(fp8_gemm(ctx, only(a, false), false, b, true, full), Error);  // needs a.data
+  EXPECT_THROW(fp8_gemm(ctx, a, false, only(b, false), true, full), Error);  // needs b.data
+  EXPECT_THROW(fp8_gemm(ctx, only(a, true), true, only(a, false), false, full_t), Error);  // needs a.data_t
+  EXPECT_THROW(dequantize(ctx, only(a, false)), Error);
+  EXPECT_EQ(dequantize(ctx, only(a, true)).to_doubles(), dequantize(ctx, a).to_doubles());
+}
+
 // The options: a bias on every row, and an E4M3 output whose amax is the unscaled product's
 // (bias included) and whose codes are quantize_per_tensor's of that product.
 TEST(Fp8QuantizedTensor, BiasAndFp8Output) {

@@ -77,7 +77,7 @@ struct Curve {
 // Eager (the trainer's loop) and captured training of the same model from the same seed on
 // the same batches, compared bit for bit.
 void check_captured_matches_eager(const char* arch, DType dtype, int64_t grad_accum, const char* fp8_recipe = nullptr,
-                                  int64_t intermediate = 344) {
+                                  int64_t intermediate = 344, int history_len = 0) {
   const AttentionBackendScope tessera_attention(AttentionBackend::Tessera);
   const ModelConfig config = small(arch, intermediate);
   const std::string what = std::string(arch) + " " + dtype_name(dtype) + " accum " + std::to_string(grad_accum) +
@@ -95,7 +95,9 @@ void check_captured_matches_eager(const char* arch, DType dtype, int64_t grad_ac
     for (int64_t m = 0; m < grad_accum; ++m)
       batches[s].push_back({random_ids({batch, seq}, config.vocab_size, 100 * (s % 2) + 2 * m),
                             random_ids({batch, seq}, config.vocab_size, 100 * (s % 2) + 2 * m + 1)});
-  const fp8::Recipe recipe = fp8::Recipe::from_json({{"recipe", fp8_recipe ? fp8_recipe : "current"}});
+  nlohmann::json recipe_json = {{"recipe", fp8_recipe ? fp8_recipe : "current"}};
+  if (history_len > 0) recipe_json["history_len"] = history_len;  // delayed scaling's ring
+  const fp8::Recipe recipe = fp8::Recipe::from_json(recipe_json);
 
   // The eager loop, on the default stream (no guard: the behaviour before streams).
   Curve eager;
@@ -103,15 +105,19 @@ void check_captured_matches_eager(const char* arch, DType dtype, int64_t grad_ac
   TransformerLM a(config, dtype);
   a.to(kCuda);
   a.init(ectx, 17);
-  if (fp8_recipe) models::enable_fp8(ectx, a, recipe);
+  std::shared_ptr<nn::Fp8Scaling> fp8_a;
+  if (fp8_recipe) fp8_a = models::enable_fp8(ectx, a, recipe);
   train::Optimizer oa(a.parameters(), oc);
   for (int64_t s = 1; s <= steps; ++s) {
     a.zero_grad();
     double loss = 0;
-    for (const data::Batch& b : batches[s - 1])
+    for (const data::Batch& b : batches[s - 1]) {
       loss += a.forward_backward(ectx, b.inputs, b.targets, 1.0f / grad_accum) / grad_accum;
+      if (fp8_a) fp8_a->end_micro_batch(ectx);
+    }
     eager.losses.push_back(loss);
     eager.norms.push_back(oa.step(ectx, train::learning_rate(oc, s, steps)));
+    if (fp8_a) fp8_a->end_step(ectx);  // the captured step queues this itself
   }
 
   // The captured step, on a stream of its own.
@@ -121,7 +127,8 @@ void check_captured_matches_eager(const char* arch, DType dtype, int64_t grad_ac
   TransformerLM b(config, dtype);
   b.to(kCuda);
   b.init(gctx, 17);
-  if (fp8_recipe) models::enable_fp8(gctx, b, recipe);
+  std::shared_ptr<nn::Fp8Scaling> fp8_b;
+  if (fp8_recipe) fp8_b = models::enable_fp8(gctx, b, recipe);
   train::Optimizer ob(b.parameters(), oc);
   const int64_t warmup = 2;
   train::CudaGraphStep graph(gctx, b, ob,
@@ -147,6 +154,12 @@ void check_captured_matches_eager(const char* arch, DType dtype, int64_t grad_ac
   size_t differing = 0;
   for (size_t i = 0; i < sa.size(); ++i) differing += sa[i] != sb[i];
   EXPECT_EQ(differing, 0u) << what << ": weights, values or moments differ after " << steps << " steps";
+  // Delayed scaling's state (history, scales, ring position) after the same steps.
+  if (fp8_a) {
+    const auto da = fp8_a->state_dict(), db = fp8_b->state_dict();
+    ASSERT_EQ(da.size(), db.size()) << what;
+    for (const auto& [name, t] : da) EXPECT_EQ(bytes_of(t), bytes_of(db.at(name))) << what << ": " << name;
+  }
 }
 
 }  // namespace
@@ -171,6 +184,19 @@ TEST(GpuCudaGraph, LlamaFp8CurrentScalingCapturedMatchesEager) {
   check_captured_matches_eager("llama", DType::BF16, 1, "current", 256);
 }
 
+// Delayed scaling: the amax history's ring position lives on the device, so replays fold
+// into and advance from the right slot. Short histories (3 and 5) wrap within the 8 steps;
+// with grad accumulation the per-micro-batch record is captured too.
+TEST(GpuCudaGraph, LlamaFp8DelayedScalingCapturedMatchesEager) {
+  REQUIRE_GPU();
+  check_captured_matches_eager("llama", DType::BF16, 1, "delayed", 256, 3);
+}
+
+TEST(GpuCudaGraph, LlamaFp8DelayedScalingWithGradAccumCapturedMatchesEager) {
+  REQUIRE_GPU();
+  check_captured_matches_eager("llama", DType::BF16, 2, "delayed", 256, 5);
+}
+
 // What the captured step refuses, and why (the trainer then runs the eager step).
 TEST(GpuCudaGraph, RefusalsSayWhy) {
   REQUIRE_GPU();
@@ -186,7 +212,7 @@ TEST(GpuCudaGraph, RefusalsSayWhy) {
   EXPECT_NE(m.reason.find("mixture-of-experts"), std::string::npos) << m.reason;
   train::RunConfig delayed = c;
   delayed.fp8 = fp8::Recipe::from_json({{"recipe", "delayed"}});
-  EXPECT_FALSE(train::choose_cuda_graph(delayed, kCuda).use);
+  EXPECT_TRUE(train::choose_cuda_graph(delayed, kCuda).use) << "delayed scaling keeps its position on the device";
   // The step itself refuses batches it cannot take: ignored targets, other shapes.
   const Stream stream = Stream::create(kCuda);
   Context ctx = stream.context();
@@ -209,9 +235,10 @@ TEST(GpuCudaGraph, RefusalsSayWhy) {
       << "the default stream cannot be captured";
 }
 
-// `tessera train` with training.cuda_graph on and off: the same metrics, bit for bit, also
-// across an injected NaN gradient (that step runs eagerly, the run rewinds to a snapshot
-// and replays the graph on the restored weights) and validation between replays.
+// `tessera train` with training.cuda_graph on and off (GPT-2, Llama, Llama with FP8 delayed
+// scaling): the same metrics, bit for bit, also across an injected NaN gradient (that step
+// runs eagerly, the run rewinds to a snapshot and replays the graph on the restored weights)
+// and validation between replays.
 TEST(GpuCudaGraph, TrainerOnAndOffWriteTheSameMetrics) {
   REQUIRE_GPU();
   const std::string root = (fs::temp_directory_path() / ("tessera_gpu_graph_" + std::to_string(::getpid()))).string();
@@ -220,10 +247,14 @@ TEST(GpuCudaGraph, TrainerOnAndOffWriteTheSameMetrics) {
   std::string text;
   for (int i = 0; i < 400; ++i) text += "sphinx of black quartz, judge my vow " + std::to_string(i % 9) + ". ";
   io::write_file_atomically(root + "/corpus.txt", text);
-  for (const char* arch : {"gpt2", "llama"}) {
+  // "llama-fp8": Llama with FP8 delayed scaling (a short history that wraps): the captured
+  // step queues the scaling's bookkeeping itself, the eager steps (the NaN one) the trainer.
+  for (const char* name : {"gpt2", "llama", "llama-fp8"}) {
+    const bool fp8 = std::string(name) == "llama-fp8";
+    const char* arch = fp8 ? "llama" : name;
     std::vector<std::vector<nlohmann::json>> lines(2);
     for (int on = 0; on < 2; ++on) {
-      const std::string dir = root + "/" + arch + (on ? "_on" : "_off");
+      const std::string dir = root + "/" + name + (on ? "_on" : "_off");
       nlohmann::json j = nlohmann::json::parse(R"({
         "model": {"vocab_size": 257, "hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
                   "intermediate_size": 128, "max_seq_len": 32, "rope_theta": 10000},
@@ -236,11 +267,12 @@ TEST(GpuCudaGraph, TrainerOnAndOffWriteTheSameMetrics) {
       })");
       j["model"]["architecture"] = arch;
       if (std::string(arch) == "gpt2") j["model"]["num_kv_heads"] = 2;
+      if (fp8) j["fp8"] = {{"recipe", "delayed"}, {"history_len", 4}};
       j["data"]["text"] = root + "/corpus.txt";
       j["training"]["out_dir"] = dir;
       j["training"]["cuda_graph"] = on ? "on" : "off";
       const train::TrainResult r = train::train(train::RunConfig::from_json(j), {.quiet = true});
-      EXPECT_EQ(r.rewinds, 1) << arch << (on ? " on" : " off");
+      EXPECT_EQ(r.rewinds, 1) << name << (on ? " on" : " off");
       std::ifstream in(dir + "/metrics.jsonl");
       std::string line;
       while (std::getline(in, line)) {
@@ -250,9 +282,9 @@ TEST(GpuCudaGraph, TrainerOnAndOffWriteTheSameMetrics) {
         lines[on].push_back(m);
       }
     }
-    ASSERT_EQ(lines[0].size(), lines[1].size()) << arch;
-    EXPECT_GE(lines[0].size(), 10u) << arch;
-    for (size_t i = 0; i < lines[0].size(); ++i) EXPECT_EQ(lines[0][i], lines[1][i]) << arch << " line " << i;
+    ASSERT_EQ(lines[0].size(), lines[1].size()) << name;
+    EXPECT_GE(lines[0].size(), 10u) << name;
+    for (size_t i = 0; i < lines[0].size(); ++i) EXPECT_EQ(lines[0][i], lines[1][i]) << name << " line " << i;
   }
   fs::remove_all(root);
 }

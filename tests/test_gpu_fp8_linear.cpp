@@ -34,14 +34,14 @@ TEST(GpuFp8Linear, MatchesTheCpuLayer) {
       const Tensor y_cpu = host.forward(cpu, x, hs), y_gpu = device.forward(gpu, x.to(kCuda), ds);
       ASSERT_TRUE(hs.fp8 && ds.fp8);
       const Tensor dx_cpu = host.backward_input(cpu, dy, hs), dx_gpu = device.backward_input(gpu, dy.to(kCuda), ds);
-      // dy's cast (E5M2, the fused cast + transpose on CUDA) before backward_weight drops it.
-      EXPECT_EQ(bytes_of(ds.dy_fp8.data), bytes_of(hs.dy_fp8.data)) << "step " << step;
+      // dy's cast (E5M2, the fused cast + transpose on CUDA) before backward_weight drops it;
+      // only the transposed copies the backward reads are kept (docs/fp8.md, "Memory").
+      EXPECT_FALSE(ds.dy_fp8.data.defined() || ds.x_fp8.data.defined() || ds.w_fp8.data.defined()) << "step " << step;
       EXPECT_EQ(bytes_of(ds.dy_fp8.data_t), bytes_of(hs.dy_fp8.data_t)) << "step " << step;
       EXPECT_EQ(bytes_of(ds.w_fp8.data_t), bytes_of(hs.w_fp8.data_t)) << "step " << step;
       host.backward_weight(cpu, dy, hs);
       device.backward_weight(gpu, dy.to(kCuda), ds);
-      EXPECT_EQ(bytes_of(ds.x_fp8.data), bytes_of(hs.x_fp8.data)) << "step " << step;  // the same casts
-      EXPECT_EQ(bytes_of(ds.x_fp8.data_t), bytes_of(hs.x_fp8.data_t)) << "step " << step;
+      EXPECT_EQ(bytes_of(ds.x_fp8.data_t), bytes_of(hs.x_fp8.data_t)) << "step " << step;  // the same casts
       EXPECT_LT(relative_error(y_gpu.to(Device::cpu()), y_cpu), 1e-2) << "step " << step;
       EXPECT_LT(relative_error(dx_gpu.to(Device::cpu()), dx_cpu), 1e-2) << "step " << step;
       EXPECT_LT(relative_error(device.weight.grad.to(Device::cpu()), host.weight.grad), 1e-3) << "step " << step;

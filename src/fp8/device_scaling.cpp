@@ -34,7 +34,10 @@ DeviceDelayedScaling::DeviceDelayedScaling(Context& ctx, const DelayedScalingCon
   scale_ = Tensor::from_floats(ones, {n}).to(ctx.device);
   scale_inv_ = Tensor::from_floats(ones, {n}).to(ctx.device);
   fp8_max_ = Tensor::from_floats(maxes, {n}).to(ctx.device);
+  position_ = Tensor::zeros({1}, DType::I64, ctx.device);
 }
+
+int64_t DeviceDelayedScaling::position() const { return position_.to(Device::cpu()).data<int64_t>()[0]; }
 
 Tensor DeviceDelayedScaling::scale(int64_t i) const { return scale_.slice(0, i, i + 1); }
 Tensor DeviceDelayedScaling::scale_inv(int64_t i) const { return scale_inv_.slice(0, i, i + 1); }
@@ -51,10 +54,11 @@ void DeviceDelayedScaling::record(Context& ctx) {
     return;
 #endif
   }
+  const int64_t position = position_.data<int64_t>()[0];
   float* history = history_.data<float>();
   float* pending = pending_.data<float>();
   for (int64_t i = 0; i < n; ++i) {
-    float& slot = history[i * len + position_];
+    float& slot = history[i * len + position];
     slot = fold_amax(slot, pending[i]);
     pending[i] = 0.0f;
   }
@@ -63,44 +67,48 @@ void DeviceDelayedScaling::record(Context& ctx) {
 void DeviceDelayedScaling::update(Context& ctx) {
   const int64_t n = size(), len = config_.history_len;
   const bool window_max = config_.amax_compute == DelayedScalingConfig::AmaxCompute::Max;
-  if (n > 0) {
-    TESSERA_CHECK(history_.device() == ctx.device, "DeviceDelayedScaling::update: state is on ",
-                  history_.device().to_string(), ", context on ", ctx.device.to_string());
-    if (ctx.device.is_cuda()) {
+  TESSERA_CHECK(position_.device() == ctx.device, "DeviceDelayedScaling::update: state is on ",
+                position_.device().to_string(), ", context on ", ctx.device.to_string());
+  if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
-      cuda::delayed_scaling_update(ctx.stream, history_, pending_, scale_, scale_inv_, fp8_max_, position_,
-                                   window_max, config_.margin);
+    // One launch: the scales, then the position advanced (also with no tensors, as on the CPU).
+    cuda::delayed_scaling_update(ctx.stream, history_, pending_, scale_, scale_inv_, fp8_max_, position_, window_max,
+                                 config_.margin);
+    return;
 #endif
-    } else {
-      record(ctx);
-      float* history = history_.data<float>();
-      float* scale = scale_.data<float>();
-      float* scale_inv = scale_inv_.data<float>();
-      const float* maxes = fp8_max_.data<float>();
-      const int64_t next = (position_ + 1) % len;
-      for (int64_t i = 0; i < n; ++i) {
-        float* row = history + i * len;
-        float amax = row[position_];
-        if (window_max) {
-          amax = 0.0f;
-          for (int64_t s = 0; s < len; ++s) amax = std::fmax(amax, row[s]);  // fmax skips NaN
-        }
-        if (amax > 0.0f && std::isfinite(amax)) {
-          scale[i] = fp8_scale_for_amax(amax, maxes[i], config_.margin, false);
-          scale_inv[i] = 1.0f / scale[i];
-        }
-        row[next] = 0.0f;
+  }
+  int64_t& position = position_.data<int64_t>()[0];
+  if (n > 0) {
+    record(ctx);
+    float* history = history_.data<float>();
+    float* scale = scale_.data<float>();
+    float* scale_inv = scale_inv_.data<float>();
+    const float* maxes = fp8_max_.data<float>();
+    const int64_t next = (position + 1) % len;
+    for (int64_t i = 0; i < n; ++i) {
+      float* row = history + i * len;
+      float amax = row[position];
+      if (window_max) {
+        amax = 0.0f;
+        for (int64_t s = 0; s < len; ++s) amax = std::fmax(amax, row[s]);  // fmax skips NaN
       }
+      if (amax > 0.0f && std::isfinite(amax)) {
+        scale[i] = fp8_scale_for_amax(amax, maxes[i], config_.margin, false);
+        scale_inv[i] = 1.0f / scale[i];
+      }
+      row[next] = 0.0f;
     }
   }
-  position_ = (position_ + 1) % len;
+  position = (position + 1) % len;
 }
 
 std::map<std::string, Tensor> DeviceDelayedScaling::state_dict(const std::string& prefix) const {
-  return {{prefix + "amax_history", history_.to(Device::cpu())},
-          {prefix + "scale", scale_.to(Device::cpu())},
-          {prefix + "scale_inv", scale_inv_.to(Device::cpu())},
-          {prefix + "position", Tensor::from_ints({position_}, {1}, DType::I64)}};
+  // Copies, also on the CPU: a saved state must not follow the live one.
+  auto host_copy = [](const Tensor& t) { return t.device().is_cpu() ? t.clone() : t.to(Device::cpu()); };
+  return {{prefix + "amax_history", host_copy(history_)},
+          {prefix + "scale", host_copy(scale_)},
+          {prefix + "scale_inv", host_copy(scale_inv_)},
+          {prefix + "position", host_copy(position_)}};
 }
 
 void DeviceDelayedScaling::load_state_dict(Context& ctx, const std::map<std::string, Tensor>& tensors,
@@ -121,12 +129,15 @@ void DeviceDelayedScaling::load_state_dict(Context& ctx, const std::map<std::str
   const int64_t position = get("position", DType::I64, {1}).to_ints()[0];
   TESSERA_CHECK(position >= 0 && position < config_.history_len, "DeviceDelayedScaling: tensor '", prefix,
                 "position' holds ", position, ", outside [0, ", config_.history_len, ")");
-  // Assign only after every check passed, so a failed load leaves the state untouched.
-  history_ = history.contiguous().to(ctx.device);
-  scale_ = scale.contiguous().to(ctx.device);
-  scale_inv_ = scale_inv.contiguous().to(ctx.device);
-  pending_ = Tensor::zeros({n}, DType::F32, ctx.device);
-  position_ = position;
+  TESSERA_CHECK(history_.device() == ctx.device, "DeviceDelayedScaling::load_state_dict: state is on ",
+                history_.device().to_string(), ", context on ", ctx.device.to_string());
+  // Written only after every check passed, so a failed load leaves the state untouched; and
+  // in place, so that a captured graph that reads these buffers reads the loaded state.
+  history_.copy_from(history);
+  scale_.copy_from(scale);
+  scale_inv_.copy_from(scale_inv);
+  pending_.fill_zero();
+  position_.copy_from(Tensor::from_ints({position}, {1}, DType::I64));
 }
 
 void scale_from_amax(Context& ctx, const Tensor& amax, DType fp8, float margin, bool power_of_two, Tensor& scale) {

@@ -16,13 +16,20 @@ namespace tessera::fp8 {
 
 namespace {
 
-void check_quantized(const QuantizedTensor& q, const char* op, const char* name) {
-  TESSERA_CHECK(q.data.defined() && q.data_t.defined() && q.scale_inv.defined(), op, ": ", name,
-                " is not a quantized tensor (undefined data, data_t or scale_inv)");
-  TESSERA_CHECK(q.data.dim() == 2 && q.data_t.dim() == 2 && q.data.size(0) == q.data_t.size(1) &&
-                    q.data.size(1) == q.data_t.size(0),
-                op, ": ", name, ".data ", q.data.describe(), " and ", name, ".data_t ", q.data_t.describe(),
-                " are not each other's transpose");
+// need_data / need_data_t: which copies the caller reads. A layer may drop the copy its
+// backward does not read (nn::Linear keeps only the transposed ones of x and W, the only
+// ones its backward GEMMs use); when both are present they must be each other's transpose.
+void check_quantized(const QuantizedTensor& q, const char* op, const char* name, bool need_data = true,
+                     bool need_data_t = true) {
+  TESSERA_CHECK((q.data.defined() || !need_data) && (q.data_t.defined() || !need_data_t) &&
+                    (q.data.defined() || q.data_t.defined()) && q.scale_inv.defined(),
+                op, ": ", name, " is not a quantized tensor (undefined scale_inv, or an undefined copy, data or ",
+                "data_t, that this call reads)");
+  TESSERA_CHECK((!q.data.defined() || q.data.dim() == 2) && (!q.data_t.defined() || q.data_t.dim() == 2), op, ": ",
+                name, " must be 2-D");
+  if (q.data.defined() && q.data_t.defined())
+    TESSERA_CHECK(q.data.size(0) == q.data_t.size(1) && q.data.size(1) == q.data_t.size(0), op, ": ", name, ".data ",
+                  q.data.describe(), " and ", name, ".data_t ", q.data_t.describe(), " are not each other's transpose");
 }
 
 }  // namespace
@@ -109,7 +116,7 @@ QuantizedTensor quantized_from_codes(Context& ctx, const Tensor& data, const Ten
 }
 
 Tensor dequantize(Context& ctx, const QuantizedTensor& q, DType out_dtype) {
-  check_quantized(q, "dequantize", "q");
+  check_quantized(q, "dequantize", "q", true, false);
   Tensor out = Tensor::empty(q.data.shape(), out_dtype, ctx.device);
   dequantize_per_tensor(ctx, q.data, q.scale_inv, out);
   return out;
@@ -118,8 +125,9 @@ Tensor dequantize(Context& ctx, const QuantizedTensor& q, DType out_dtype) {
 void fp8_gemm(Context& ctx, const QuantizedTensor& a, bool transpose_a, const QuantizedTensor& b, bool transpose_b,
               Tensor& c, const Fp8GemmOptions& options) {
   const char* op = "fp8_gemm";
-  check_quantized(a, op, "a");
-  check_quantized(b, op, "b");
+  // Only the copies this orientation reads must be present (see below).
+  check_quantized(a, op, "a", !transpose_a, transpose_a);
+  check_quantized(b, op, "b", transpose_b, !transpose_b);
   check_defined(c, op, "c");
   const Tensor& a_mk = transpose_a ? a.data_t : a.data;  // op(A) as [M, K]
   const Tensor& b_nk = transpose_b ? b.data : b.data_t;  // op(B)^T as [N, K]

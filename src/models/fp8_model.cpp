@@ -29,4 +29,16 @@ void disable_fp8(TransformerLM& model) {
   for_each_block_linear(model, [](nn::Linear& linear) { linear.use_fp8({}); });
 }
 
+std::shared_ptr<nn::Fp8Scaling> fp8_scaling_of(TransformerLM& model) {
+  std::shared_ptr<nn::Fp8Scaling> found;
+  for_each_block_linear(model, [&](nn::Linear& linear) {
+    const auto& scaling = linear.fp8_binding().scaling;
+    if (!scaling) return;
+    TESSERA_CHECK(!found || found == scaling, "fp8_scaling_of: the block linears are bound to several Fp8Scaling ",
+                  "states (bind them with one enable_fp8 call)");
+    found = scaling;
+  });
+  return found;
+}
+
 }  // namespace tessera::models

@@ -71,6 +71,12 @@ Tensor Linear::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved
   options.fast_accumulate = true;  // forward only, as Transformer Engine does
   options.bias = bias.value;
   fp8::fp8_gemm(ctx, saved.x_fp8, false, saved.w_fp8, true, y, options);  // y = x W^T + b
+  // The backward reads only the transposed copies (dx = dy W: W^T from w.data_t; dW = dy^T x:
+  // x^T from x.data_t), so the row-wise ones go now instead of living until the backward:
+  // N x in + out x in bytes per layer (docs/fp8.md, "Memory"). The GEMM queued above still
+  // reads them: their blocks serve later work on the same stream, as every temporary does.
+  saved.x_fp8.data = Tensor();
+  saved.w_fp8.data = Tensor();
   return y;
 }
 
@@ -79,6 +85,7 @@ Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved
     saved.dy_fp8 = fp8_.scaling->quantize(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput);
     Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
     fp8::fp8_gemm(ctx, saved.dy_fp8, false, saved.w_fp8, false, dx);  // dx = dy W
+    saved.dy_fp8.data = Tensor();  // backward_weight reads dy^T (data_t) only
     return dx;
   }
   Tensor dx = Tensor::empty({saved.x.size(0), in_}, weight.value.dtype(), ctx.device);
@@ -88,7 +95,7 @@ Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved
 
 void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
   if (saved.fp8) {
-    TESSERA_CHECK(saved.dy_fp8.data.defined(), "Linear ", weight.name, ": backward_weight needs backward_input first");
+    TESSERA_CHECK(saved.dy_fp8.data_t.defined(), "Linear ", weight.name, ": backward_weight needs backward_input first");
     fp8::Fp8GemmOptions options;
     options.beta = 1;  // dW += dy^T x, into the FP32 master gradient
     fp8::fp8_gemm(ctx, saved.dy_fp8, true, saved.x_fp8, false, weight.grad, options);

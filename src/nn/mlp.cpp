@@ -50,12 +50,19 @@ Tensor MLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
     const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
     swiglu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
   }
-  return fc.backward_input(ctx, saved.d_h_pre, saved.fc_in);
+  // The model keeps every layer's Saved until its whole backward ends: what nothing reads
+  // again goes now. h_pre is read by the activation's backward above only. In FP8, fc's
+  // weight gradient reads its own cast of d_h_pre (dy_fp8), so without a bias (whose
+  // gradient sums d_h_pre) d_h_pre goes too: N x 2 ffn BF16 per SwiGLU layer.
+  saved.h_pre = Tensor();
+  Tensor dx = fc.backward_input(ctx, saved.d_h_pre, saved.fc_in);
+  if (saved.fc_in.fp8 && !fc.bias.value.defined()) saved.d_h_pre = Tensor();
+  return dx;
 }
 
 void MLP::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
   proj.backward_weight(ctx, dy, saved.proj_in);
-  fc.backward_weight(ctx, saved.d_h_pre, saved.fc_in);
+  fc.backward_weight(ctx, saved.d_h_pre, saved.fc_in);  // d_h_pre undefined in FP8 without bias: unread
 }
 
 void MLP::parameters(ParameterList& out) {

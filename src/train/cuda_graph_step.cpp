@@ -2,9 +2,9 @@
 
 #include <cmath>
 #include <cstring>
-#include <variant>
 
 #include "tessera/core/stream.h"
+#include "tessera/models/fp8_model.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/graph.h"
@@ -18,8 +18,6 @@ std::optional<std::string> cuda_graph_blocker(const RunConfig& config, Device de
   if (!TESSERA_WITH_CUDA) return std::string("this build has no CUDA backend");
   if (config.model.is_moe())
     return std::string("mixture-of-experts models read their per-expert token counts on the host every step");
-  if (config.fp8 && std::holds_alternative<fp8::DelayedScalingConfig>(config.fp8->config))
-    return std::string("FP8 delayed scaling keeps its amax-history position on the host, which a graph would freeze");
   if (distributed)
     return std::string("runs over several ranks (data or tensor parallel) reduce across ranks and read the global "
                        "gradient norm on the host between backward and the optimizer");
@@ -89,6 +87,7 @@ CudaGraphStep::CudaGraphStep(const Context& ctx, models::TransformerLM& model, O
   TESSERA_CHECK(ctx.stream != nullptr, "CudaGraphStep: the context must have a stream of its own ",
                 "(the default stream cannot be captured)");
   TESSERA_CHECK(!model.config().is_moe(), "CudaGraphStep: mixture-of-experts models cannot be captured");
+  fp8_ = models::fp8_scaling_of(model);
   TESSERA_CHECK(options.batch_size > 0 && options.seq_len > 0 && options.grad_accum > 0 && options.warmup_steps >= 1,
                 "CudaGraphStep: batch_size, seq_len and grad_accum must be positive and warmup_steps at least 1");
   StreamGuard guard(ctx_);
@@ -144,8 +143,12 @@ void CudaGraphStep::queue_step() {
   for (int64_t m = 0; m < options_.grad_accum; ++m) {
     model_.forward_backward_into(ctx_, impl_->inputs.select(0, m), impl_->targets.select(0, m), scale, impl_->loss,
                                  divisor);
+    if (fp8_) fp8_->end_micro_batch(ctx_);
   }
   optimizer_.queue_step(ctx_, impl_->scalars);
+  // Delayed scaling's next scales, from history and ring position on the device (no-op for
+  // current scaling): replays read and advance the position there.
+  if (fp8_) fp8_->end_step(ctx_);
 }
 
 void CudaGraphStep::capture() {

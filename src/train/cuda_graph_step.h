@@ -6,7 +6,9 @@
 // clipping", once, and afterwards launches it as one graph. What changes from step to
 // step lives in device memory the graph reads: the token ids (copied into fixed buffers
 // before each replay) and the learning rate and step count (four doubles, copied with
-// them). The loss and the gradient norm stay on the device until the end of the step,
+// them). FP8 scaling state (delayed scaling's amax history, scales and ring position)
+// lives on the device too, and its per-micro-batch and per-step bookkeeping is part of the
+// graph. The loss and the gradient norm stay on the device until the end of the step,
 // which is its one host synchronisation.
 //
 // The first `warmup_steps` steps run the same device-resident work uncaptured: they fill
@@ -75,7 +77,10 @@ class CudaGraphStep {
   // (I32 or I64) with every target valid (none is TransformerLM::kIgnoreIndex).
   bool accepts(const std::vector<data::Batch>& batches) const;
   // One optimizer step at learning rate lr, the same work and bits as the eager loop's
-  // zero_grad / forward_backward per micro-batch / Optimizer::step. Waits for the GPU once,
+  // zero_grad / forward_backward per micro-batch / Optimizer::step. With FP8 linears
+  // (models::enable_fp8) the scaling's end_micro_batch after each micro-batch and end_step
+  // after the optimizer are part of the step (and of the graph): the caller must not call
+  // them for a step taken here. Waits for the GPU once,
   // at the end, then reports an out-of-range token id the kernels met, as the eager ops do.
   Result step(const std::vector<data::Batch>& batches, double lr);
 
@@ -94,6 +99,7 @@ class CudaGraphStep {
   models::TransformerLM& model_;
   Optimizer& optimizer_;
   Options options_;
+  std::shared_ptr<nn::Fp8Scaling> fp8_;  // the model's FP8 scaling (models::fp8_scaling_of), or null
   std::unique_ptr<Impl> impl_;
   int64_t steps_ = 0;
   std::string failure_;

@@ -4,6 +4,11 @@
 // nothing read back to the host. DelayedScalingState (recipe.h) is the host reference; the
 // two give the same bits (the tests check it on the CPU and on CUDA).
 //
+// The ring position (which history column is this step's slot) is state on the device too,
+// an I64 [1] tensor the kernels read and advance there: record and update take no host
+// value that changes from step to step, so a CUDA graph that captured them replays them
+// correctly (train/cuda_graph_step.h). On the CPU the same tensor lives in host memory.
+//
 // Use, per tensor i of the recipe (a linear layer's input, weight and output gradient):
 //   quantize_per_tensor(ctx, x, state.scale(i), x_fp8, state.pending_amax(i));  // writes amax
 //   ... GEMMs read state.scale_inv(i) ...
@@ -31,7 +36,9 @@ class DeviceDelayedScaling {
   int64_t size() const { return static_cast<int64_t>(roles_.size()); }
   const DelayedScalingConfig& config() const { return config_; }
   DType dtype(int64_t i) const { return fp8_dtype(config_.format, roles_.at(static_cast<size_t>(i))); }
-  int64_t position() const { return position_; }
+  // The current ring slot, copied to the host (it waits for the stream: for tests and
+  // checkpoints, never called by the training step).
+  int64_t position() const;
 
   // F32 [1] views into the state, for the quantize and GEMM calls of tensor i.
   Tensor scale(int64_t i) const;
@@ -43,17 +50,21 @@ class DeviceDelayedScaling {
   const Tensor& history() const { return history_; }
   const Tensor& scales() const { return scale_; }
   const Tensor& scale_invs() const { return scale_inv_; }
+  // I64 [1] on the device: the ring slot record folds into.
+  const Tensor& position_tensor() const { return position_; }
 
   // history[i, position] = fold(history[i, position], pending[i]) for every i, then pending = 0.
   // fold is DelayedScalingState::record's: NaN is sticky, otherwise the max.
   void record(Context& ctx);
   // record, then DelayedScalingState::update's rule for every tensor in one launch: the
   // window's amax (max ignoring NaN, or the current slot), the new scale and scale_inv when
-  // that amax is finite and > 0, and the ring advanced with the new slot zeroed.
+  // that amax is finite and > 0, and the ring advanced (on the device) with the new slot zeroed.
   void update(Context& ctx);
 
-  // The same tensors and names as DelayedScalingState::state_dict (host copies), so either
-  // class loads the other's checkpoint.
+  // The same tensors and names as DelayedScalingState::state_dict (host copies; "position"
+  // is I64 [1]), so either class loads the other's checkpoint. load_state_dict checks every
+  // tensor (position within [0, history_len)) before it writes anything, and writes the
+  // state in place: buffers a captured graph reads stay where they are.
   std::map<std::string, Tensor> state_dict(const std::string& prefix = "fp8.") const;
   void load_state_dict(Context& ctx, const std::map<std::string, Tensor>& tensors, const std::string& prefix = "fp8.");
 
@@ -61,7 +72,7 @@ class DeviceDelayedScaling {
   DelayedScalingConfig config_;
   std::vector<Role> roles_;
   Tensor history_, scale_, scale_inv_, pending_, fp8_max_;  // fp8_max_: each tensor's format's largest value
-  int64_t position_ = 0;
+  Tensor position_;                                         // I64 [1], in [0, history_len)
 };
 
 // Current scaling's scale from a tensor's amax, on the device: scale[0] =

@@ -21,8 +21,10 @@ struct QuantizedTensor {
   Tensor scale_inv;  // F32 [1]: 1 / scale (float division), to dequantize
   DType dtype = DType::E4M3;
 
-  int64_t rows() const { return data.size(0); }
-  int64_t cols() const { return data.size(1); }
+  // The logical [M, K], also when one copy was dropped (nn::Linear keeps only data_t of
+  // what its backward reads; fp8_gemm needs only the copy of the orientation it uses).
+  int64_t rows() const { return data.defined() ? data.size(0) : data_t.size(1); }
+  int64_t cols() const { return data.defined() ? data.size(1) : data_t.size(0); }
 };
 
 // Casts a 2-D x [M, K] (any floating dtype) with the per-tensor scale (F32 [1]) to `fp8`

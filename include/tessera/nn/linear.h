@@ -16,8 +16,11 @@ class Linear {
   struct Saved {
     Tensor x;  // [N, in] (not kept by the FP8 path, which keeps x_fp8)
     bool fp8 = false;
+    // After forward only the transposed copies (data_t) are kept: the backward GEMMs read
+    // nothing else, and the row-wise copies would double the FP8 path's saved bytes.
     fp8::QuantizedTensor x_fp8, w_fp8;
-    // Cast by backward_input, read by backward_weight (as the layers' d_qkv / d_h_pre are).
+    // Cast by backward_input, read by backward_weight (as the layers' d_qkv / d_h_pre are);
+    // backward_input drops its row-wise copy after the dx GEMM.
     mutable fp8::QuantizedTensor dy_fp8;
   };
 

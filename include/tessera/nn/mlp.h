@@ -12,8 +12,9 @@ class MLP {
  public:
   struct Saved {
     Linear::Saved fc_in, proj_in;
-    Tensor h_pre;   // fc output, before the activation
-    Tensor d_h_pre; // filled by backward_input, consumed by backward_weight
+    Tensor h_pre;   // fc output, before the activation (released by backward_input)
+    Tensor d_h_pre; // filled by backward_input, consumed by backward_weight (not kept when fc
+                    // runs in FP8 without a bias: its weight gradient reads fc_in.dy_fp8)
   };
   MLP(const std::string& name, int64_t hidden, int64_t ffn, Activation activation, bool bias, DType dtype,
       const ParallelContext& parallel = {});
