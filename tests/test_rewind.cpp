@@ -149,3 +149,44 @@ TEST(Rewind, LowersTheLearningRateForAWhileWhenAsked) {
     EXPECT_DOUBLE_EQ(line["lr"].get<double>(), expected) << "step " << step;
   }
 }
+
+// A mixture-of-experts model with auxiliary-loss-free balancing: the expert biases are state
+// outside the parameters, moved after every step. A rewind puts them back with the weights,
+// and a resumed run reads them from the checkpoint, so both equal the uninterrupted run.
+TEST(Rewind, MixtureOfExpertsBiasesRollBackAndResume) {
+  const std::string dir = temp_dir("rewind_moe"), ref = temp_dir("rewind_moe_ref"), halves = temp_dir("rewind_moe_halves");
+  const std::string text = write_text(dir);
+  auto moe_config = [&](const std::string& out) {
+    nlohmann::json j = rewind_config(out, text);
+    j["model"]["architecture"] = "mixtral";
+    j["model"]["num_experts"] = 4;
+    j["model"]["num_experts_per_tok"] = 2;
+    j["model"]["expert_bias_rate"] = 0.05;
+    j["model"]["tie_embeddings"] = false;
+    return j;
+  };
+  nlohmann::json j = moe_config(dir);
+  j["training"]["fault_injection"] = {{"nan_grad_at_step", {7}}};
+  EXPECT_EQ(train::train(train::RunConfig::from_json(j), {.quiet = true}).rewinds, 1);
+  nlohmann::json k = moe_config(ref);
+  k["training"]["skip_data_at_steps"] = {7};
+  train::train(train::RunConfig::from_json(k), {.quiet = true});
+  EXPECT_EQ(losses(dir), losses(ref));
+  EXPECT_EQ(final_model(dir), final_model(ref));
+  // The checkpoint holds the biases (they moved: not all zero), and resuming at step 8
+  // continues exactly.
+  const nlohmann::json state =
+      nlohmann::json::parse(io::read_file(*train::latest_checkpoint(ref) + "/state.json")).at("trainer");
+  ASSERT_TRUE(state.contains("expert_bias"));
+  EXPECT_EQ(state["expert_bias"].size(), 2u);  // one per layer
+  bool moved = false;
+  for (const auto& [name, entry] : state["expert_bias"].items())
+    for (uint32_t bits : entry.at("f32_bits").get<std::vector<uint32_t>>()) moved = moved || bits != 0;
+  EXPECT_TRUE(moved);
+  nlohmann::json h = moe_config(halves);
+  h["training"]["skip_data_at_steps"] = {7};
+  const train::RunConfig split = train::RunConfig::from_json(h);
+  train::train(split, {.quiet = true, .stop_after = 8});
+  train::train(split, {.resume = true, .quiet = true});
+  EXPECT_EQ(losses(halves), losses(ref));
+}

@@ -336,6 +336,29 @@ void TransformerLM::update_expert_biases(Context& ctx) {
     if (layer->moe) layer->moe->update_expert_bias(ctx);
 }
 
+std::map<std::string, Tensor> TransformerLM::expert_biases() const {
+  std::map<std::string, Tensor> out;
+  for (size_t i = 0; i < layers.size(); ++i)
+    if (layers[i]->moe && layers[i]->moe->expert_bias.defined())
+      out["layers." + std::to_string(i) + ".expert_bias"] = layers[i]->moe->expert_bias.to(Device::cpu());
+  return out;
+}
+
+void TransformerLM::load_expert_biases(Context& ctx, const std::map<std::string, Tensor>& biases) {
+  (void)ctx;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (!layers[i]->moe || !layers[i]->moe->expert_bias.defined()) continue;
+    Tensor& bias = layers[i]->moe->expert_bias;
+    const std::string name = "layers." + std::to_string(i) + ".expert_bias";
+    auto it = biases.find(name);
+    TESSERA_CHECK(it != biases.end(), "TransformerLM::load_expert_biases: no '", name, "'");
+    TESSERA_CHECK(it->second.shape() == bias.shape() && it->second.dtype() == bias.dtype(),
+                  "TransformerLM::load_expert_biases: '", name, "' is ", it->second.describe(), ", the model's ",
+                  bias.describe());
+    bias.copy_from(it->second.to(bias.device()));
+  }
+}
+
 double TransformerLM::forward_loss(Context& ctx, const Tensor& inputs, const Tensor& targets) {
   if (tp_) return tp_->forward_loss(*this, ctx, inputs, targets);
   Saved saved;

@@ -67,12 +67,13 @@ Context pick_device(const std::string& device) {
 
 // The compute dtype: BF16 with FP32 master weights on a GPU, FP32 on the CPU (where BF16
 // saves no time: the reference kernels compute in float either way).
-// The FP8 recipe's state (delayed scaling's amax history and scales) in a checkpoint's
-// trainer state: floats as their bit patterns, so that NaN amaxes and every bit survive JSON
-// and a resumed run scales exactly as the uninterrupted one would.
-nlohmann::json fp8_state_to_json(const nn::Fp8Scaling& scaling) {
+// Trainer state kept as tensors in a checkpoint's JSON trainer state: the FP8 recipe's
+// (delayed scaling's amax history, scales and ring position) and the MoE expert biases.
+// Floats as their bit patterns, so that NaN amaxes and every bit survive JSON and a resumed
+// run continues exactly as the uninterrupted one would.
+nlohmann::json tensors_to_json(const std::map<std::string, Tensor>& tensors) {
   nlohmann::json out = nlohmann::json::object();
-  for (const auto& [name, tensor] : scaling.state_dict()) {
+  for (const auto& [name, tensor] : tensors) {
     if (tensor.dtype() == DType::I64) {
       out[name] = {{"shape", tensor.shape()}, {"i64", tensor.to_ints()}};
       continue;
@@ -84,9 +85,9 @@ nlohmann::json fp8_state_to_json(const nn::Fp8Scaling& scaling) {
   return out;
 }
 
-std::map<std::string, Tensor> fp8_state_from_json(const nlohmann::json& j) {
+std::map<std::string, Tensor> tensors_from_json(const nlohmann::json& j, const char* what) {
   std::map<std::string, Tensor> out;
-  TESSERA_CHECK(j.is_object(), "train: the checkpoint's fp8 state is not an object");
+  TESSERA_CHECK(j.is_object(), "train: the checkpoint's ", what, " is not an object");
   for (const auto& [name, entry] : j.items()) {
     const Shape shape = entry.at("shape").get<Shape>();
     if (entry.contains("i64")) {
@@ -240,6 +241,14 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
                   "or auto on CUDA); this run computes in ", dtype_name(dtype));
     fp8_state = models::enable_fp8(ctx, model, *c.fp8);
   }
+  // What a checkpoint's trainer state holds besides the weights and the optimizer: put back on
+  // resume and on every rewind (from memory or from a checkpoint).
+  auto restore_trainer_tensors = [&](const nlohmann::json& extra) {
+    if (!extra.is_object()) return;
+    if (fp8_state && extra.contains("fp8"))
+      fp8_state->load_state_dict(ctx, tensors_from_json(extra["fp8"], "fp8 state"));
+    if (extra.contains("expert_bias")) model.load_expert_biases(ctx, tensors_from_json(extra["expert_bias"], "expert biases"));
+  };
   int64_t step = 0;
   bool resumed = false;
   // step -> steps' worth of data skipped when that step starts (configured, or left by rewinds).
@@ -259,8 +268,7 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
       train_loader.load_state(state.data_position);
       if (state.extra.is_object() && state.extra.contains("skip_data"))
         for (const auto& e : state.extra["skip_data"]) skip_data[e.at(0).get<int64_t>()] = e.at(1).get<int64_t>();
-      if (fp8_state && state.extra.is_object() && state.extra.contains("fp8"))
-        fp8_state->load_state_dict(ctx, fp8_state_from_json(state.extra["fp8"]));
+      restore_trainer_tensors(state.extra);
       resumed = true;
       if (!quiet) std::printf("train: resumed from %s at step %lld\n", dir->c_str(), static_cast<long long>(step));
     } else if (!skipped.empty()) {
@@ -386,7 +394,8 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     nlohmann::json skips = nlohmann::json::array();
     for (const auto& [s, n] : skip_data) skips.push_back({s, n});
     nlohmann::json extra = {{"skip_data", skips}};
-    if (fp8_state) extra["fp8"] = fp8_state_to_json(*fp8_state);
+    if (fp8_state) extra["fp8"] = tensors_to_json(fp8_state->state_dict());
+    if (auto biases = model.expert_biases(); !biases.empty()) extra["expert_bias"] = tensors_to_json(biases);
     return CheckpointState{.step = step, .data_position = train_loader.state(), .config = config.to_json(),
                            .extra = std::move(extra)};
   };
@@ -463,6 +472,7 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     metrics.close();
     if (last_good) {
       restore_snapshot(*last_good, model, &opt);
+      restore_trainer_tensors(last_good->extra);
       train_loader.load_state(last_good->data_position);
       back_to = last_good->step;
       if (main_rank) fs::resize_file(metrics_path, last_good_metrics_bytes);
@@ -474,6 +484,7 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
       TESSERA_CHECK(dir.has_value(), "train: step ", bad_step, ": ", why, "; no state to roll back to (no in-memory ",
                     "snapshot: training.rewind.snapshot_interval is 0, and no verified checkpoint yet)");
       const CheckpointState state = load_checkpoint(*dir, model, &opt, /*verify=*/main_rank);
+      restore_trainer_tensors(state.extra);
       train_loader.load_state(state.data_position);
       back_to = state.step;
       if (main_rank) truncate_metrics_after(metrics_path, back_to);

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -84,6 +85,13 @@ class TransformerLM {
   double last_aux_loss() const { return last_aux_loss_; }
   std::vector<std::vector<int64_t>> expert_loads() const;
   void update_expert_biases(Context& ctx);
+  // The expert biases themselves, state that is not a parameter: "layers.<i>.expert_bias" ->
+  // F32 [E] host copy, for every MoE layer that has one (empty otherwise). The trainer keeps
+  // them with a checkpoint's and a rewind snapshot's state, so that a resumed or rewound run
+  // routes as the uninterrupted one. load_expert_biases takes such a map: a missing name or
+  // a wrong shape is an Error naming it; extra names are ignored.
+  std::map<std::string, Tensor> expert_biases() const;
+  void load_expert_biases(Context& ctx, const std::map<std::string, Tensor>& biases);
 
   // ---- Tensor parallelism and the full (single-device) layout ----
   // Named tensors, as io::NamedTensors.
