@@ -173,6 +173,17 @@ TEST(Rewind, MixtureOfExpertsBiasesRollBackAndResume) {
   train::train(train::RunConfig::from_json(k), {.quiet = true});
   EXPECT_EQ(losses(dir), losses(ref));
   EXPECT_EQ(final_model(dir), final_model(ref));
+  // Every step logs its tokens per expert and layer: top-2 of 4 experts, 4 x 16 tokens.
+  for (const nlohmann::json& line : lines(ref + "/metrics.jsonl")) {
+    if (!line.contains("loss")) continue;
+    ASSERT_TRUE(line.contains("expert_load")) << line;
+    ASSERT_EQ(line["expert_load"].size(), 2u);
+    for (const auto& layer : line["expert_load"]) {
+      int64_t kept = 0;
+      for (const auto& n : layer) kept += n.get<int64_t>();
+      EXPECT_EQ(kept, 4 * 16 * 2) << line;
+    }
+  }
   // The checkpoint holds the biases (they moved: not all zero), and resuming at step 8
   // continues exactly.
   const nlohmann::json state =

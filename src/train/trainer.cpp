@@ -577,7 +577,11 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
       // Delayed scaling: next step's scales (the captured step queues this itself).
       if (fp8_state) fp8_state->end_step(ctx);
     }
-    if (c.model.is_moe()) model.update_expert_biases(ctx);   // auxiliary-loss-free balancing
+    // MoE: the step's tokens per expert of each layer (logged below), then the
+    // auxiliary-loss-free balancing, which moves the biases by them and resets them.
+    const std::vector<std::vector<int64_t>> expert_load = c.model.is_moe() ? model.expert_loads()
+                                                                           : std::vector<std::vector<int64_t>>{};
+    if (c.model.is_moe()) model.update_expert_biases(ctx);
     const double seen_loss = fault_once(faults.loss_spike_at_step, 1) ? loss * 10 + 10 : loss;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     // Rewinds and stops are decided by all ranks together, so that none goes its own way.
@@ -591,7 +595,10 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     if (rw.enabled) detector.accept(step, seen_loss, grad_norm);
     const double rate = std::max<int64_t>(step - first_step, 1) * tokens_per_step / elapsed;
     nlohmann::json line = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens_per_s", rate}};
-    if (c.model.is_moe()) line["aux_loss"] = model.last_aux_loss();  // router losses, part of `loss`
+    if (c.model.is_moe()) {
+      line["aux_loss"] = model.last_aux_loss();  // router losses, part of `loss`
+      line["expert_load"] = expert_load;         // [layer][expert] tokens kept this step
+    }
     if (val_loader && (step % t.eval_interval == 0 || step == t.steps)) {
       result.last_val_loss = validation_loss();
       line["val_loss"] = result.last_val_loss;
