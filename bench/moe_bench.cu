@@ -11,6 +11,9 @@
 // FLOPs = 3 GEMMs forward (2 M H F for gate+up counted as 2, 1 for down) x 3 for
 // forward + backward = 18 * M * H * F; TFLOP/s over that.
 //
+// Each case runs twice: the experts' GEMMs all on one stream, then spread over GroupedLinear's
+// four side streams (set_grouped_gemm_streams), which gives the same bits.
+//
 // Correctness in the same run: the forward output against a per-expert loop of plain
 // tessera GEMMs and the SwiGLU op on the same data (relative Frobenius error).
 //
@@ -68,7 +71,8 @@ Tensor loop_forward(Context& ctx, const nn::GroupedMLP& mlp, const Tensor& x, co
   return y;
 }
 
-void run_case(const char* name, const std::vector<int64_t>& splits, int runs) {
+void run_case(const char* name, const std::vector<int64_t>& splits, int runs, int streams) {
+  set_grouped_gemm_streams(streams);
   Context ctx = Context::cuda(0);
   const int64_t rows = kTokens * kTopK;
   nn::GroupedMLP mlp("experts", kExperts, kHidden, kFfn, DType::BF16);
@@ -96,8 +100,8 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs) {
       },
       runs, 3);
   const double flop_fwd = 6.0 * rows * kHidden * kFfn;
-  std::printf("| %-8s | %8.2f | %6.1f | %8.2f | %6.1f | %.1e %s |\n", name, fwd_ms, flop_fwd / fwd_ms * 1e-9, all_ms,
-              3 * flop_fwd / all_ms * 1e-9, err, err < 2e-2 ? "ok" : "WRONG");
+  std::printf("| %-8s | %7d | %8.2f | %6.1f | %8.2f | %6.1f | %.1e %s |\n", name, streams, fwd_ms,
+              flop_fwd / fwd_ms * 1e-9, all_ms, 3 * flop_fwd / all_ms * 1e-9, err, err < 2e-2 ? "ok" : "WRONG");
 }
 
 }  // namespace
@@ -111,9 +115,14 @@ int main(int argc, char** argv) {
                 "median of %d runs after 3 warm-ups; error: forward against a per-expert GEMM loop\n\n",
                 prop.name, static_cast<long long>(kTokens), static_cast<long long>(kTopK),
                 static_cast<long long>(kExperts), static_cast<long long>(kHidden), static_cast<long long>(kFfn), runs);
-    std::printf("| splits   |  fwd ms | TFLOP/s | fwd+bwd ms | TFLOP/s | error |\n|---|---|---|---|---|---|\n");
-    run_case("balanced", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs);
-    run_case("skewed", {4096, 3072, 2048, 2048, 1536, 1536, 1024, 1024}, runs);
+    // Each case with the experts' GEMMs on one stream and spread over four (GroupedLinear's
+    // side streams): the same bits, side by side.
+    std::printf("| splits   | streams |  fwd ms | TFLOP/s | fwd+bwd ms | TFLOP/s | error |\n"
+                "|---|---|---|---|---|---|---|\n");
+    for (int streams : {1, 4}) {
+      run_case("balanced", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, streams);
+      run_case("skewed", {4096, 3072, 2048, 2048, 1536, 1536, 1024, 1024}, runs, streams);
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe: %s\n", e.what());

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "gpu_testing.h"
+#include "tessera/core/stream.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/nn/moe.h"
 #include "tessera/ops/gemm.h"
@@ -239,6 +240,43 @@ TEST(GpuMoe, GroupedLinearIsBitIdenticalToALoopOfGemms) {
       EXPECT_LT(relative_error(dwg.to(Device::cpu()), dww), tol_of(t));
     }
   }
+}
+
+// The experts' GEMMs spread over side streams (the default) against all on one stream: the
+// same bits for every op, on a non-blocking stream of the test's own (so no implicit
+// ordering through the legacy stream can hide a missing join), with more experts than side
+// streams and GEMMs large enough to run at the same time (a shared cuBLASLt workspace
+// between them would show as wrong results).
+TEST(GpuMoe, GroupedLinearOnSideStreamsEqualsOneStreamBitForBit) {
+  REQUIRE_GPU();
+  const int before = grouped_gemm_streams();
+  const Stream stream = Stream::create(kCuda);
+  Context gpu = stream.context();
+  const StreamGuard guard(gpu);
+  const std::vector<int64_t> splits = {700, 0, 1024, 333, 512, 1, 900, 611};
+  const int64_t rows = 4200, k_in = 1024, n_out = 768, e = 8;
+  const Tensor x = random_tensor({rows, k_in}, DType::BF16, 77).to(kCuda);
+  const Tensor w = random_tensor({e, n_out, k_in}, DType::BF16, 78).to(kCuda);
+  const Tensor dy = random_tensor({rows, n_out}, DType::BF16, 79).to(kCuda);
+  const Tensor dw0 = random_tensor({e, n_out, k_in}, DType::F32, 80);
+  struct Out {
+    std::vector<uint8_t> y, dx, dw;
+  };
+  auto run = [&](int streams) {
+    set_grouped_gemm_streams(streams);
+    Tensor y = poisoned({rows, n_out}, DType::BF16), dx = poisoned({rows, k_in}, DType::BF16);
+    Tensor dw = dw0.to(kCuda);
+    grouped_linear_forward(gpu, x, w, splits, y);
+    grouped_linear_backward_input(gpu, dy, w, splits, dx);
+    grouped_linear_backward_weight(gpu, dy, x, splits, dw);
+    return Out{bytes_of(y), bytes_of(dx), bytes_of(dw)};
+  };
+  const Out one = run(1), four = run(4), two = run(2);
+  set_grouped_gemm_streams(before);
+  EXPECT_TRUE(one.y == four.y && one.y == two.y) << "forward";
+  EXPECT_TRUE(one.dx == four.dx && one.dx == two.dx) << "backward_input";
+  EXPECT_TRUE(one.dw == four.dw && one.dw == two.dw) << "backward_weight";
+  EXPECT_THROW(set_grouped_gemm_streams(0), Error);
 }
 
 TEST(GpuMoe, MixtralStepMatchesTheCpu) {

@@ -7,6 +7,7 @@
 #include "tessera/ops/gemm.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/moe.h"
+#include "backend/cuda/stream_fan.h"
 #endif
 
 namespace tessera {
@@ -311,8 +312,52 @@ void moe_swiglu_scaled_backward(Context& ctx, const Tensor& x, const Tensor& sca
 }
 
 // GroupedLinear is a loop of the gemm op over the experts' row blocks, on every device: on
-// CUDA each is one cuBLASLt call on the context's stream, so a result is bit-identical to
-// calling gemm per expert. Empty experts issue no GEMM.
+// CUDA each is one cuBLASLt call, so a result is bit-identical to calling gemm per expert.
+// Empty experts issue no GEMM. On CUDA the experts' GEMMs go round-robin to side streams
+// (stream_fan.h) when grouped_gemm_streams() > 1: one expert's GEMM rarely fills an H200,
+// and on one stream they run one after another. Same calls, so the same bits.
+namespace {
+
+// 1 until the side-stream path has been measured on a GPU (it compiles and keeps the same
+// bits by construction; see docs/ops/moe.md).
+int g_grouped_gemm_streams = 1;
+
+// fn(expert_ctx, e, first_row) for every expert with rows, in expert order.
+template <typename Fn>
+void for_each_expert(Context& ctx, const std::vector<int64_t>& splits, Fn&& fn) {
+  int with_rows = 0;
+  for (int64_t s : splits) with_rows += s > 0;
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda() && g_grouped_gemm_streams > 1 && with_rows > 1) {
+    cuda::StreamFan fan(ctx.stream, ctx.device.index);
+    int64_t row = 0;
+    int i = 0;
+    for (size_t e = 0; e < splits.size(); ++e) {
+      if (splits[e] == 0) continue;
+      Context side{ctx.device, fan.side(i++ % g_grouped_gemm_streams)};
+      fn(side, e, row);
+      row += splits[e];
+    }
+    fan.join();
+    return;
+  }
+#endif
+  int64_t row = 0;
+  for (size_t e = 0; e < splits.size(); ++e) {
+    if (splits[e] == 0) continue;
+    fn(ctx, e, row);
+    row += splits[e];
+  }
+}
+
+}  // namespace
+
+void set_grouped_gemm_streams(int streams) {
+  TESSERA_CHECK(streams >= 1, "set_grouped_gemm_streams: need at least 1 stream, got ", streams);
+  g_grouped_gemm_streams = streams;
+}
+int grouped_gemm_streams() { return g_grouped_gemm_streams; }
+
 void grouped_linear_forward(Context& ctx, const Tensor& x, const Tensor& w, const std::vector<int64_t>& splits,
                             Tensor& y) {
   const char* op = "grouped_linear_forward";
@@ -324,14 +369,12 @@ void grouped_linear_forward(Context& ctx, const Tensor& x, const Tensor& w, cons
                 "], got ", y.describe());
   check_splits(splits, w.size(0), x.size(0), op);
   check_on_device(ctx, op, {&x, &w, &y});
-  int64_t row = 0;
-  for (size_t e = 0; e < splits.size(); ++e) {
-    if (splits[e] == 0) continue;
+  for_each_expert(ctx, splits, [&](Context& c, size_t e, int64_t row) {
     Tensor ye = y.slice(0, row, row + splits[e]);
-    gemm(ctx, x.slice(0, row, row + splits[e]), w.select(0, static_cast<int64_t>(e)), ye, {.transpose_b = true});
-    row += splits[e];
-  }
-  if (row < y.size(0)) y.slice(0, row, y.size(0)).fill_zero();
+    gemm(c, x.slice(0, row, row + splits[e]), w.select(0, static_cast<int64_t>(e)), ye, {.transpose_b = true});
+  });
+  const int64_t rows = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+  if (rows < y.size(0)) y.slice(0, rows, y.size(0)).fill_zero();
 }
 
 void grouped_linear_backward_input(Context& ctx, const Tensor& dy, const Tensor& w, const std::vector<int64_t>& splits,
@@ -345,14 +388,12 @@ void grouped_linear_backward_input(Context& ctx, const Tensor& dy, const Tensor&
                 "], got ", dx.describe());
   check_splits(splits, w.size(0), dy.size(0), op);
   check_on_device(ctx, op, {&dy, &w, &dx});
-  int64_t row = 0;
-  for (size_t e = 0; e < splits.size(); ++e) {
-    if (splits[e] == 0) continue;
+  for_each_expert(ctx, splits, [&](Context& c, size_t e, int64_t row) {
     Tensor dxe = dx.slice(0, row, row + splits[e]);
-    gemm(ctx, dy.slice(0, row, row + splits[e]), w.select(0, static_cast<int64_t>(e)), dxe);
-    row += splits[e];
-  }
-  if (row < dx.size(0)) dx.slice(0, row, dx.size(0)).fill_zero();
+    gemm(c, dy.slice(0, row, row + splits[e]), w.select(0, static_cast<int64_t>(e)), dxe);
+  });
+  const int64_t rows = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+  if (rows < dx.size(0)) dx.slice(0, rows, dx.size(0)).fill_zero();
 }
 
 void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor& x, const std::vector<int64_t>& splits,
@@ -365,13 +406,10 @@ void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor
                 op, ": dw must be a contiguous [E, ", dy.size(1), ", ", x.size(1), "] tensor, got ", dw.describe());
   check_splits(splits, dw.size(0), dy.size(0), op);
   check_on_device(ctx, op, {&dy, &x, &dw});
-  int64_t row = 0;
-  for (size_t e = 0; e < splits.size(); ++e) {
-    if (splits[e] == 0) continue;
+  for_each_expert(ctx, splits, [&](Context& c, size_t e, int64_t row) {
     Tensor dwe = dw.select(0, static_cast<int64_t>(e));
-    gemm(ctx, dy.slice(0, row, row + splits[e]), x.slice(0, row, row + splits[e]), dwe, {.transpose_a = true, .beta = 1});
-    row += splits[e];
-  }
+    gemm(c, dy.slice(0, row, row + splits[e]), x.slice(0, row, row + splits[e]), dwe, {.transpose_a = true, .beta = 1});
+  });
 }
 
 }  // namespace tessera

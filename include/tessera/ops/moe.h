@@ -117,9 +117,11 @@ void moe_swiglu_scaled_backward(Context& ctx, const Tensor& x, const Tensor& sca
 //   x [M, K] expert-contiguous rows, w [E, N, K] (PyTorch's [out, in] per expert),
 //   split_sizes: E host-side row counts (zeros allowed), sum <= M.
 //   y[o_e : o_e + s_e] = x[o_e : o_e + s_e] W_e^T, o_e the prefix sum; rows past the sum
-//   are zero. On CUDA each expert is one cuBLASLt GEMM on the context's stream, so the
-//   result is bit-identical to a loop of gemm calls (it is that loop). The split sizes
-//   are host values: a caller whose counts live on the GPU copies them back first.
+//   are zero. On CUDA each expert is one cuBLASLt GEMM, so the result is bit-identical to
+//   a loop of gemm calls (it is that loop); the GEMMs are spread over
+//   grouped_gemm_streams() side streams forked from and joined back into the context's
+//   stream, so that small experts run side by side. The split sizes are host values: a
+//   caller whose counts live on the GPU copies them back first.
 void grouped_linear_forward(Context& ctx, const Tensor& x, const Tensor& w, const std::vector<int64_t>& split_sizes,
                             Tensor& y);
 // dx = dy_e W_e per group (OVERWRITTEN; rows past the sum zero).
@@ -128,5 +130,10 @@ void grouped_linear_backward_input(Context& ctx, const Tensor& dy, const Tensor&
 // dw[e] += dy_e^T x_e (ACCUMULATES; an expert with no rows leaves its slice unchanged).
 void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor& x,
                                     const std::vector<int64_t>& split_sizes, Tensor& dw);
+
+// How many CUDA streams GroupedLinear spreads its experts' GEMMs over (process-wide; 1, the
+// default: every GEMM on the context's stream, one after another; at most 4, more act as 4).
+void set_grouped_gemm_streams(int streams);
+int grouped_gemm_streams();
 
 }  // namespace tessera

@@ -3,6 +3,8 @@
 
 #include <mutex>
 
+#include "stream_fan.h"
+
 namespace tessera::cuda {
 
 LtState& lt_state(int device) {
@@ -17,6 +19,17 @@ LtState& lt_state(int device) {
     states[device] = s;
   }
   return *states[device];
+}
+
+void* lt_workspace(LtState& state, int device, void* stream) {
+  static_assert(sizeof(LtState::side_workspaces) / sizeof(Tensor) == kSideStreams);
+  const int side = side_stream_index(device, stream);
+  if (side < 0) return state.workspace.raw_data();
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  Tensor& w = state.side_workspaces[side];
+  if (!w.defined()) w = Tensor::empty({static_cast<int64_t>(kLtWorkspaceBytes)}, DType::U8, Device::cuda(device));
+  return w.raw_data();
 }
 
 }  // namespace tessera::cuda

@@ -1,6 +1,7 @@
 // The cuBLASLt handle and workspace of each device, shared by the BF16/F32 GEMMs (gemm.cu)
 // and the FP8 ones (gemm_fp8.cu), and the check that turns a cuBLASLt status into an Error.
-// Both GEMM families queue on the caller's stream, so one workspace per device serves both.
+// Both GEMM families queue on the caller's stream, so one workspace per device serves both,
+// except on the side streams that fan GEMMs out (stream_fan.h), which have their own.
 #pragma once
 
 #include <cublasLt.h>
@@ -24,7 +25,12 @@ constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 struct LtState {
   cublasLtHandle_t handle = nullptr;
   Tensor workspace;  // kLtWorkspaceBytes on the device
+  Tensor side_workspaces[4];  // one per StreamFan side stream (stream_fan.h), made on first use
 };
+
+// The workspace a GEMM queued on `stream` uses: the device's shared one, or the side
+// stream's own (GEMMs that may run at once must not share a workspace).
+void* lt_workspace(LtState& state, int device, void* stream);
 
 // One handle and workspace per device, made on first use and kept for the process.
 LtState& lt_state(int device);

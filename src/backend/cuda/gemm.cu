@@ -228,7 +228,7 @@ void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transp
   const cublasStatus_t status =
       cublasLtMatmul(state.handle, plan.desc, &alpha, b.raw_data(), plan.first, a.raw_data(), plan.second, &beta,
                      c.raw_data(), plan.out, c.raw_data(), plan.out, plan.has_algo ? &plan.algo : nullptr,
-                     state.workspace.raw_data(), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
+                     lt_workspace(state, c.device().index, stream), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
   TESSERA_CHECK(status == CUBLAS_STATUS_SUCCESS, "gemm on CUDA: cublasLtMatmul failed (", cublasGetStatusString(status),
                 ") for a ", a.describe(), ", b ", b.describe(), ", c ", c.describe());
 }

@@ -12,7 +12,7 @@
 //
 // Plans (descriptors + the heuristic's algorithm) are cached per (shape, leading dims, dtypes,
 // scale modes, epilogue, output scaling, fast accumulation, pointer alignment), as gemm.cu
-// does. This file keeps its own cuBLASLt handle and 32 MiB workspace per device.
+// does. It shares the device's cuBLASLt handle and workspaces (cublaslt_state.h).
 //
 // Floor: 2MNK FLOPs at H200's dense FP8 peak (~1979 TFLOP/s), e.g. 8192 x 4096 x 4096 in
 // ~0.14 ms; the two helper kernels move a few KiB to a few MiB of scales (negligible).
@@ -346,7 +346,7 @@ void fp8_gemm(void* stream, const Fp8Operand& a, const Fp8Operand& b, Tensor& c,
   const cublasStatus_t status =
       cublasLtMatmul(state.handle, plan.desc, &p.alpha, b.data.raw_data(), plan.first, a.data.raw_data(), plan.second,
                      &p.beta, c_in, plan.c_layout, c.raw_data(), plan.d_layout, &plan.algo,
-                     state.workspace.raw_data(), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
+                     lt_workspace(state, device, stream), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
   TESSERA_CHECK(status == CUBLAS_STATUS_SUCCESS, "fp8_gemm on CUDA: cublasLtMatmul failed (",
                 cublasGetStatusString(status), ") for ", describe_call(key));
 }
