@@ -6,11 +6,13 @@
 //
 // CPU ranks reduce over MPI; CUDA ranks over NCCL (bootstrapped by MPI), rank r on GPU
 // (local rank % GPUs). --batch is per rank (weak scaling). --zero1 uses the distributed
-// optimizer instead of DataParallel + AdamW; --no-reduce skips the gradient reduction (the
-// compute-only baseline: tokens/s per GPU with it, against without, is the weak-scaling
-// efficiency). --overlap reduces each bucket during the backward, as the trainer does, on
-// NCCL's communication stream beside the compute stream. Rank 0 prints one JSON line with the median step time and tokens/s per rank
-// and in all; the loss is averaged over the ranks.
+// optimizer instead of DataParallel + AdamW (reduce-scatter per bucket, all-gather after
+// the update); --no-reduce skips the gradient reduction (the compute-only baseline: tokens/s
+// per GPU with it, against without, is the weak-scaling efficiency; not with --zero1).
+// --overlap starts each bucket's reduction (all-reduce, or reduce-scatter with --zero1)
+// during the backward, as the trainer does, on NCCL's communication stream beside the
+// compute stream. Rank 0 prints one JSON line with the median step time and tokens/s per
+// rank and in all; the loss is averaged over the ranks.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -63,7 +65,7 @@ int main(int argc, char** argv) {
   app.add_option("--seq", seq)->capture_default_str();
   app.add_option("--steps", steps)->capture_default_str();
   app.add_option("--warmup", warmup)->capture_default_str();
-  app.add_option("--bucket-mb", bucket_mb, "DataParallel bucket size")->capture_default_str();
+  app.add_option("--bucket-mb", bucket_mb, "Gradient bucket size (DataParallel's, or ZeRO-1's)")->capture_default_str();
   app.add_flag("--zero1", zero1, "Shard the optimizer state (dist::DistributedOptimizer)");
   app.add_flag("--no-reduce", no_reduce, "Skip the gradient reduction (compute-only baseline)");
   app.add_flag("--overlap", overlap,
@@ -100,7 +102,12 @@ int main(int argc, char** argv) {
     std::unique_ptr<train::Optimizer> optimizer;
     std::unique_ptr<dist::DistributedOptimizer> sharded;
     if (zero1) {
-      sharded = std::make_unique<dist::DistributedOptimizer>(ctx, model.parameters(), group, train::OptimizerConfig{});
+      if (no_reduce) throw std::runtime_error("--no-reduce: ZeRO-1 cannot skip its reduce-scatter; drop --zero1");
+      sharded = std::make_unique<dist::DistributedOptimizer>(
+          ctx, model.parameters(), group, train::OptimizerConfig{},
+          dist::DistributedOptimizerOptions{.bucket_bytes = bucket_mb << 20});
+      if (overlap)
+        model.set_grad_ready_hook([z = sharded.get()](Context& c, nn::Parameter& p) { z->mark_ready(c, p); });
     } else {
       dp = std::make_unique<dist::DataParallel>(ctx, model.parameters(), group,
                                                 dist::DataParallelOptions{.bucket_bytes = bucket_mb << 20});
@@ -120,6 +127,7 @@ int main(int argc, char** argv) {
       world->barrier();
       const auto start = std::chrono::steady_clock::now();
       model.zero_grad();
+      if (sharded) sharded->begin_backward();
       loss = model.forward_backward(ctx, inputs, targets);
       if (sharded) {
         sharded->step(ctx, 1e-4);
@@ -145,7 +153,7 @@ int main(int argc, char** argv) {
     const double median = slowest[slowest.size() / 2];
     if (world->rank() == 0) {
       nlohmann::json out = {{"impl", "tessera"},
-                            {"mode", zero1 ? "dp-zero1" : (no_reduce ? "dp-no-reduce" : (overlap ? "dp-overlap" : "dp"))},
+                            {"mode", zero1 ? (overlap ? "dp-zero1-overlap" : "dp-zero1") : (no_reduce ? "dp-no-reduce" : (overlap ? "dp-overlap" : "dp"))},
                             {"ranks", world->size()},
                             {"backend", group->backend()},
                             {"device", device},
@@ -158,6 +166,7 @@ int main(int argc, char** argv) {
                             {"tokens_per_s", double(batch * seq * world->size()) / median},
                             {"loss", losses.item(0)}};
       if (dp) out["buckets"] = dp->buckets().size();
+      if (sharded) out["buckets"] = sharded->bucket_parameters().size();
 #if TESSERA_WITH_CUDA
       if (ctx.device.is_cuda())
         out["peak_memory_gib"] = double(cuda::allocator_stats(ctx.device.index).peak_bytes_reserved) / (1ull << 30);

@@ -226,36 +226,128 @@ TEST(DistDataParallel, DistributedOptimizerEqualsDataParallelWithThePlainOptimiz
   auto world = test_world();
   const int n = world->size(), me = world->rank();
   const int64_t per_rank = kGlobalBatch / n;
-  for (double clip : {0.0, 0.05}) {
-    train::OptimizerConfig config = optimizer_config();
-    config.grad_clip = clip;  // 0.05: below the gradient norm, so clipping acts
-    TransformerLM plain(tiny_gpt2()), sharded(tiny_gpt2());
-    plain.init(ctx, 11);
-    sharded.init(ctx, 11);
-    dist::DataParallel dp(ctx, plain.parameters(), world);
-    train::Optimizer opt(plain.parameters(), config);
-    dist::DistributedOptimizer zero(ctx, sharded.parameters(), world, config);
-    EXPECT_EQ(zero.shard_range().second - zero.shard_range().first,
-              (zero.total_elements() + n - 1) / n);
-    for (int step = 0; step < 3; ++step) {
-      auto [in, tg] = rows(step, me * per_rank, (me + 1) * per_rank);
-      plain.zero_grad();
-      sharded.zero_grad();
-      plain.forward_backward(ctx, in, tg);
-      sharded.forward_backward(ctx, in, tg);
-      dp.all_reduce_gradients(ctx);
-      const double norm_plain = opt.step(ctx, 1e-2);
-      const double norm_sharded = zero.step(ctx, 1e-2);
-      EXPECT_NEAR(norm_sharded, norm_plain, 1e-6 * norm_plain) << "step " << step;
-      if (clip > 0) EXPECT_GT(norm_plain, clip);
+  // One bucket for the whole model, small buckets, a bucket per parameter.
+  for (size_t bucket_bytes : {size_t{25} << 20, size_t{2048}, size_t{0}})
+    for (double clip : {0.0, 0.05}) {
+      train::OptimizerConfig config = optimizer_config();
+      config.grad_clip = clip;  // 0.05: below the gradient norm, so clipping acts
+      TransformerLM plain(tiny_gpt2()), sharded(tiny_gpt2());
+      plain.init(ctx, 11);
+      sharded.init(ctx, 11);
+      dist::DataParallel dp(ctx, plain.parameters(), world, {.bucket_bytes = bucket_bytes});
+      train::Optimizer opt(plain.parameters(), config);
+      dist::DistributedOptimizer zero(ctx, sharded.parameters(), world, config, {.bucket_bytes = bucket_bytes});
+      // Its buckets are DataParallel's, and the ranks own every element once.
+      ASSERT_EQ(zero.bucket_parameters().size(), dp.buckets().size());
+      for (size_t b = 0; b < dp.buckets().size(); ++b)
+        for (size_t j = 0; j < dp.buckets()[b].parameters.size(); ++j)
+          EXPECT_EQ(sharded.parameters()[zero.bucket_parameters()[b][j]]->name, dp.buckets()[b].parameters[j]->name);
+      Tensor owned = Tensor::from_doubles({static_cast<double>(zero.owned_elements())}, {1});
+      world->all_reduce(ctx, owned, dist::ReduceOp::Sum);
+      EXPECT_EQ(owned.item(0), static_cast<double>(zero.total_elements()));
+      for (int step = 0; step < 3; ++step) {
+        auto [in, tg] = rows(step, me * per_rank, (me + 1) * per_rank);
+        plain.zero_grad();
+        sharded.zero_grad();
+        plain.forward_backward(ctx, in, tg);
+        sharded.forward_backward(ctx, in, tg);
+        dp.all_reduce_gradients(ctx);
+        const double norm_plain = opt.step(ctx, 1e-2);
+        const double norm_sharded = zero.step(ctx, 1e-2);
+        EXPECT_NEAR(norm_sharded, norm_plain, 1e-6 * norm_plain) << "step " << step;
+        if (clip > 0) EXPECT_GT(norm_plain, clip);
+      }
+      const auto got = all_weights(sharded), want = all_weights(plain);
+      if (clip == 0) {
+        EXPECT_EQ(got, want) << "without clipping the sharded step is the same arithmetic (bucket bytes "
+                             << bucket_bytes << ")";
+      } else {
+        EXPECT_LT(relative_error(got, want), 1e-6);
+      }
+      dist::check_consistent(ctx, *world, dist::hash_bytes(got.data(), got.size() * sizeof(double)),
+                             "the weights after sharded steps");
     }
-    const auto got = all_weights(sharded), want = all_weights(plain);
-    if (clip == 0) {
-      EXPECT_EQ(got, want) << "without clipping the sharded step is the same arithmetic";
-    } else {
-      EXPECT_LT(relative_error(got, want), 1e-6);
+}
+
+// The reduce-scatters started by the backward hook, bucket by bucket, give the same bits as
+// the ones step() starts after the backward: weights, norms and moments.
+TEST(DistDataParallel, DistributedOptimizerOverlappedEqualsAfterBackwardBitwise) {
+  Context ctx = Context::cpu();
+  auto world = test_world();
+  const int n = world->size(), me = world->rank();
+  const int64_t per_rank = kGlobalBatch / n;
+  train::OptimizerConfig config = optimizer_config();
+  config.grad_clip = 0.05;  // clipping acts: the norm must be the same too
+  TransformerLM a(tiny_gpt2()), b(tiny_gpt2());
+  a.init(ctx, 5);
+  b.init(ctx, 5);
+  dist::DistributedOptimizer za(ctx, a.parameters(), world, config, {.bucket_bytes = 2048});
+  dist::DistributedOptimizer zb(ctx, b.parameters(), world, config, {.bucket_bytes = 2048});
+  ASSERT_GT(zb.bucket_parameters().size(), 2u);
+  int marks = 0;
+  for (int step = 0; step < 3; ++step) {
+    auto [in, tg] = rows(step, me * per_rank, (me + 1) * per_rank);
+    a.zero_grad();
+    b.zero_grad();
+    // Two micro-batches; only the last one's backward marks.
+    a.forward_backward(ctx, in, tg, 0.5f);
+    a.forward_backward(ctx, in, tg, 0.5f);
+    zb.begin_backward();
+    b.forward_backward(ctx, in, tg, 0.5f);
+    b.set_grad_ready_hook([&](Context& c, nn::Parameter& p) {
+      ++marks;
+      zb.mark_ready(c, p);
+    });
+    b.forward_backward(ctx, in, tg, 0.5f);
+    b.set_grad_ready_hook({});
+    EXPECT_THROW(zb.mark_ready(ctx, *b.parameters().front()), Error) << "marked twice";
+    const double na = za.step(ctx, 1e-2), nb = zb.step(ctx, 1e-2);
+    EXPECT_EQ(na, nb) << "step " << step;
+    EXPECT_EQ(all_weights(a), all_weights(b)) << "step " << step;
+  }
+  EXPECT_EQ(marks, 3 * static_cast<int>(b.parameters().size()));
+  const auto sa = za.state(), sb = zb.state();
+  for (size_t i = 0; i < sa.size(); ++i) EXPECT_EQ(sa[i].second.to_doubles(), sb[i].second.to_doubles()) << sa[i].first;
+  // A step whose gradients were reduced but not taken (a NaN loss): the next backward
+  // starts anew.
+  b.zero_grad();
+  auto [in, tg] = rows(7, me * per_rank, (me + 1) * per_rank);
+  b.forward_backward(ctx, in, tg);
+  zb.reduce_gradients(ctx);
+  zb.begin_backward();
+  a.zero_grad();
+  b.zero_grad();
+  a.forward_backward(ctx, in, tg);
+  b.forward_backward(ctx, in, tg);
+  EXPECT_EQ(za.step(ctx, 1e-2), zb.step(ctx, 1e-2));
+  EXPECT_EQ(all_weights(a), all_weights(b));
+}
+
+// Rank r owns the r-th chunk of every bucket; the pieces of all ranks cover every element of
+// every parameter once, and a rank's pieces follow its shard.
+TEST(DistDataParallel, BucketedShardsCoverEveryElementOnce) {
+  const std::vector<int64_t> numels = {5, 7, 1, 12, 3, 9, 2};
+  for (size_t bucket_bytes : {size_t{0}, size_t{40}, size_t{64}, size_t{1} << 20}) {
+    const auto buckets = dist::zero1_buckets(numels, 4, bucket_bytes);
+    size_t listed = 0;
+    for (const auto& b : buckets) listed += b.size();
+    EXPECT_EQ(listed, numels.size());
+    EXPECT_EQ(buckets.front().front(), numels.size() - 1) << "the last parameter first";
+    for (int size = 1; size <= 5; ++size) {
+      std::vector<std::vector<int>> seen(numels.size());
+      for (size_t i = 0; i < numels.size(); ++i) seen[i].assign(static_cast<size_t>(numels[i]), 0);
+      for (int rank = 0; rank < size; ++rank) {
+        int64_t packed = 0, shard = -1;
+        for (const dist::Zero1Piece& p : dist::zero1_pieces(numels, buckets, size, rank)) {
+          EXPECT_EQ(p.packed_offset, packed);
+          EXPECT_GT(p.shard_offset, shard);
+          packed += p.length;
+          shard = p.shard_offset + p.length - 1;
+          for (int64_t e = 0; e < p.length; ++e) ++seen[p.parameter][static_cast<size_t>(p.param_offset + e)];
+        }
+      }
+      for (size_t i = 0; i < numels.size(); ++i)
+        for (int v : seen[i]) ASSERT_EQ(v, 1) << "parameter " << i << ", size " << size << ", bucket bytes " << bucket_bytes;
     }
-    dist::check_consistent(ctx, *world, dist::hash_bytes(got.data(), got.size() * sizeof(double)),
-                           "the weights after sharded steps");
   }
 }

@@ -11,10 +11,13 @@
 // tests/dist_cli_smoke.sh, which needs the tessera executable.
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "dist_trainer_testing.h"
+#include "tessera/dist/distributed_optimizer.h"
 #include "tessera/io/atomic_file.h"
 #include "tessera/io/safetensors.h"
 #include "tessera/train/checkpoint.h"
@@ -162,6 +165,112 @@ TEST(DistTrainer, CheckpointOfTwoRanksResumesAtOneAndFourRanks) {
                    std::vector<double>(straight.loss.begin() + 5, straight.loss.end()), tolerance,
                    what + ": the steps after the resume");
     }
+  }
+}
+
+// ZeRO-1 with the reduce-scatters started by the backward (overlap_grad_reduce, the
+// default) gives the same bits as with them started after it.
+TEST(DistTrainer, OverlappedZeroOneEqualsTheAfterBackwardOneBitwise) {
+  auto world = test_world();
+  const std::string dir = shared_dir(*world, "zero1_overlap");
+  const std::string text = corpus(*world, dir);
+  nlohmann::json on = config(dir + "/on", text, true), off = config(dir + "/off", text, true);
+  on["training"]["parallel"]["bucket_mb"] = 0;  // a bucket per parameter: many reduce-scatters in flight
+  off["training"]["parallel"]["bucket_mb"] = 0;
+  off["training"]["parallel"]["overlap_grad_reduce"] = false;
+  const Curve a = run(*world, world, on), b = run(*world, world, off);
+  ASSERT_EQ(a.loss.size(), 10u);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_EQ(a.grad_norm, b.grad_norm);
+  EXPECT_EQ(a.val_loss, b.val_loss);
+  if (world->rank() == 0) EXPECT_EQ(final_weights(dir + "/on"), final_weights(dir + "/off"));
+  world->barrier();
+}
+
+// A checkpoint whose ZeRO-1 shards are in the older contiguous layout (kind "zero1": the
+// flat parameter-order space cut into `size` equal ranges) still resumes, at any size.
+TEST(DistTrainer, OldContiguousZeroOneCheckpointsStillLoad) {
+  auto world = test_world();
+  const std::string dir = shared_dir(*world, "old_layout");
+  const std::string text = corpus(*world, dir);
+  const auto groups = sizes(world);
+  const Curve straight = run(*world, world, config(dir + "/straight", text, true));
+  const std::string saved = dir + "/saved";
+  run(*world, world, config(saved, text, true), {.stop_after = 5});
+  if (world->rank() == 0) {
+    // Rewrite the shards in the old layout: gather the flat space from the bucketed
+    // shards, cut it into equal ranges, fix state.json and the manifest.
+    const auto ckpt = train::latest_checkpoint(saved, true);
+    ASSERT_TRUE(ckpt.has_value());
+    nlohmann::json state = nlohmann::json::parse(io::read_file(*ckpt + "/state.json"));
+    const nlohmann::json layout = state.at("optimizer_layout");
+    ASSERT_EQ(layout.value("kind", ""), "zero1-buckets");
+    const int size = layout.at("size").get<int>();
+    std::vector<int64_t> numels, offsets;
+    int64_t total = 0;
+    for (const auto& p : layout.at("parameters")) {
+      offsets.push_back(total);
+      numels.push_back(p.at(1).get<int64_t>());
+      total += numels.back();
+    }
+    const auto buckets = layout.at("buckets").get<std::vector<std::vector<size_t>>>();
+    std::map<std::string, std::vector<double>> flat;
+    for (const char* name : {"exp_avg", "exp_avg_sq"}) flat[name].assign(static_cast<size_t>(total), std::nan(""));
+    char file[64];
+    for (int r = 0; r < size; ++r) {
+      std::snprintf(file, sizeof file, "optimizer-zero1-%05d-of-%05d.safetensors", r, size);
+      const io::SafetensorsFile f(*ckpt + "/" + file);
+      for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+        const auto v = f.get(name).to_doubles();
+        for (const dist::Zero1Piece& p : dist::zero1_pieces(numels, buckets, size, r))
+          for (int64_t e = 0; e < p.length; ++e)
+            flat[name][static_cast<size_t>(offsets[p.parameter] + p.param_offset + e)] =
+                v[static_cast<size_t>(p.packed_offset + e)];
+      }
+    }
+    for (const auto& [name, v] : flat)
+      for (double x : v) ASSERT_FALSE(std::isnan(x)) << name << ": an element no shard held";
+    nlohmann::json old = {{"kind", "zero1"}, {"size", size}, {"total", total}, {"parameters", layout.at("parameters")}};
+    state["optimizer_layout"] = old;
+    nlohmann::json manifest = nlohmann::json::parse(io::read_file(*ckpt + "/manifest.json"));
+    auto rewrite = [&](const std::string& name, const std::string& bytes) {
+      io::write_file_atomically(*ckpt + "/" + name, bytes);
+      manifest["files"][name] = {{"bytes", bytes.size()}, {"crc32", [&] {
+                                   char hex[16];
+                                   std::snprintf(hex, sizeof hex, "%08x", train::crc32_bytes(bytes.data(), bytes.size()));
+                                   return std::string(hex);
+                                 }()}};
+    };
+    const int64_t shard = (total + size - 1) / size;
+    for (int r = 0; r < size; ++r) {
+      const int64_t first = std::min(total, r * shard), last = std::min(total, (r + 1) * shard);
+      io::NamedTensors tensors;
+      for (const auto& [name, v] : flat)
+        tensors.emplace_back(name, Tensor::from_doubles(std::vector<double>(v.begin() + first, v.begin() + last),
+                                                        {last - first}, DType::F32));
+      nlohmann::json mine = old;
+      mine["rank"] = r;
+      mine["begin"] = first;
+      mine["end"] = last;
+      std::snprintf(file, sizeof file, "optimizer-zero1-%05d-of-%05d.safetensors", r, size);
+      rewrite(file, io::serialize_safetensors(tensors, {{"format", "tessera-optimizer-shard"}, {"layout", mine.dump()}}));
+    }
+    rewrite("state.json", state.dump(2));
+    io::write_file_atomically(*ckpt + "/manifest.json", manifest.dump(2));
+    ASSERT_TRUE(train::latest_checkpoint(saved, true).has_value()) << "the rewritten checkpoint verifies";
+  }
+  world->barrier();
+  for (const auto& [n, group] : sizes(world)) {
+    const std::string out = dir + "/resumed_dp" + std::to_string(n);
+    if (world->rank() == 0) fs::copy(saved, out, fs::copy_options::recursive);
+    world->barrier();
+    const Curve resumed = run(*world, group, config(out, text, true), {.resume = true});
+    ASSERT_EQ(resumed.loss.size(), 10u) << "DP=" << n;
+    // Same size: the same bits; another size: the gradients are summed in another order.
+    const double tolerance = group == world ? 0 : kAcrossSizes;
+    expect_close(std::vector<double>(resumed.loss.begin() + 5, resumed.loss.end()),
+                 std::vector<double>(straight.loss.begin() + 5, straight.loss.end()), tolerance,
+                 "old-layout checkpoint resumed at DP=" + std::to_string(n));
   }
 }
 

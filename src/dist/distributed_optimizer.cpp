@@ -1,4 +1,4 @@
-// ZeRO-1 AdamW (see tessera/dist/distributed_optimizer.h).
+// ZeRO-1 AdamW over gradient buckets (see tessera/dist/distributed_optimizer.h).
 #include "tessera/dist/distributed_optimizer.h"
 
 #include <algorithm>
@@ -12,39 +12,101 @@
 
 namespace tessera::dist {
 
+std::vector<std::vector<size_t>> zero1_buckets(const std::vector<int64_t>& numels, size_t element_bytes,
+                                               size_t bucket_bytes) {
+  // DataParallel's rule (data_parallel.cpp), on element counts.
+  std::vector<std::vector<size_t>> out;
+  size_t used = 0;
+  for (size_t k = numels.size(); k-- > 0;) {
+    const size_t bytes = static_cast<size_t>(numels[k]) * element_bytes;
+    if (out.empty() || used + bytes > bucket_bytes) {
+      out.emplace_back();
+      used = 0;
+    }
+    out.back().push_back(k);
+    used += bytes;
+  }
+  return out;
+}
+
+std::vector<Zero1Piece> zero1_pieces(const std::vector<int64_t>& numels, const std::vector<std::vector<size_t>>& buckets,
+                                     int size, int rank) {
+  std::vector<Zero1Piece> out;
+  int64_t shard_at = 0, packed_at = 0;
+  for (const std::vector<size_t>& bucket : buckets) {
+    int64_t elements = 0;
+    for (size_t k : bucket) {
+      TESSERA_CHECK(k < numels.size(), "zero1_pieces: parameter index ", k, " of ", numels.size());
+      elements += numels[k];
+    }
+    const int64_t chunk = (elements + size - 1) / size;
+    const int64_t lo = rank * chunk, hi = lo + chunk;
+    int64_t at = 0;
+    for (size_t k : bucket) {
+      const int64_t b = std::max(lo, at), e = std::min(hi, at + numels[k]);
+      if (b < e) {
+        out.push_back({k, b - at, e - b, shard_at + (b - lo), packed_at});
+        packed_at += e - b;
+      }
+      at += numels[k];
+    }
+    shard_at += chunk;
+  }
+  return out;
+}
+
 DistributedOptimizer::DistributedOptimizer(Context& ctx, nn::ParameterList parameters, GroupPtr group,
-                                           const train::OptimizerConfig& config)
+                                           const train::OptimizerConfig& config, const DistributedOptimizerOptions& options)
     : params_(std::move(parameters)), group_(std::move(group)), config_(config) {
   TESSERA_CHECK(group_ != nullptr, "DistributedOptimizer: no group");
   TESSERA_CHECK(!params_.empty(), "DistributedOptimizer: no parameters");
   const DType dtype = params_[0]->weights().dtype();
   const Device device = params_[0]->weights().device();
-  uint64_t h = hash_string("zero1");
+  uint64_t h = hash_string("zero1-buckets");
+  std::vector<int64_t> numels;
   for (nn::Parameter* p : params_) {
     TESSERA_CHECK(p->weights().dtype() == dtype && p->weights().device() == device && p->grad.dtype() == dtype,
                   "DistributedOptimizer: ", p->name, " differs in dtype or device from ", params_[0]->name);
-    offsets_.push_back(total_);
+    numels.push_back(p->numel());
     total_ += p->numel();
     h = hash_string(p->name, h);
     const int64_t n = p->numel();
     h = hash_bytes(&n, sizeof n, h);
   }
-  check_consistent(ctx, *group_, h, "the distributed optimizer's parameter list");
-  const int size = group_->size();
-  shard_ = (total_ + size - 1) / size;
-  shard_begin_ = group_->rank() * shard_;
-  flat_grad_ = Tensor::zeros({size * shard_}, dtype, device);
-  flat_weights_ = Tensor::zeros({size * shard_}, dtype, device);
+  h = hash_bytes(&options.bucket_bytes, sizeof options.bucket_bytes, h);
+  check_consistent(ctx, *group_, h, "the distributed optimizer's parameter list and bucket size");
+  const int size = group_->size(), rank = group_->rank();
+  bucket_params_ = zero1_buckets(numels, dtype_size(dtype), options.bucket_bytes);
+  pieces_ = zero1_pieces(numels, bucket_params_, size, rank);
+  for (const Zero1Piece& p : pieces_) owned_ += p.length;
+  for (size_t b = 0; b < bucket_params_.size(); ++b) {
+    Bucket bucket;
+    bucket.parameters = bucket_params_[b];
+    int64_t at = 0;
+    for (size_t k : bucket.parameters) {
+      bucket.offsets.push_back(at);
+      at += numels[k];
+      bucket_of_.emplace_back(params_[k], b);
+    }
+    bucket.chunk = (at + size - 1) / size;
+    bucket.shard_offset = shard_;
+    shard_ += bucket.chunk;
+    // Zeros: the padding at the end stays zero (only parameter ranges are ever packed, and
+    // the all-gather brings back the shards' padding, which is zero too).
+    bucket.flat = Tensor::zeros({size * bucket.chunk}, dtype, device);
+    buckets_.push_back(std::move(bucket));
+  }
+  std::sort(bucket_of_.begin(), bucket_of_.end());
   grad_shard_ = Tensor::zeros({shard_}, dtype, device);
   weights_shard_ = Tensor::zeros({shard_}, dtype, device);
-  exp_avg_ = Tensor::zeros({shard_}, dtype, device);
-  exp_avg_sq_ = Tensor::zeros({shard_}, dtype, device);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const int64_t begin = std::max(offsets_[i], shard_begin_);
-    const int64_t end = std::min(offsets_[i] + params_[i]->numel(), shard_begin_ + shard_);
-    if (begin >= end) continue;
-    segments_.push_back({params_[i], begin - shard_begin_, end - begin, begin - offsets_[i]});
-  }
+  exp_avg_ = Tensor::zeros({owned_}, dtype, device);
+  exp_avg_sq_ = Tensor::zeros({owned_}, dtype, device);
+}
+
+DistributedOptimizer::~DistributedOptimizer() {
+  // No reduction may outlive the buffers it writes.
+  for (Bucket& b : buckets_)
+    if (b.work) b.work->wait();
 }
 
 namespace {
@@ -92,9 +154,9 @@ void DistributedOptimizer::set_tensor_parallel(GroupPtr tensor_group, const std:
                 " layouts for ", params_.size(), " parameters");
   tensor_group_ = std::move(tensor_group);
   norm_pieces_.clear();
-  for (const Segment& s : segments_) {
-    const size_t i = static_cast<size_t>(std::find(params_.begin(), params_.end(), s.parameter) - params_.begin());
-    for (auto [lo, hi] : counted_ranges(layouts[i], s.parameter->weights().shape(), tensor_group_->rank())) {
+  for (const Zero1Piece& s : pieces_) {
+    const nn::Parameter* p = params_[s.parameter];
+    for (auto [lo, hi] : counted_ranges(layouts[s.parameter], p->weights().shape(), tensor_group_->rank())) {
       const int64_t b = std::max(lo, s.param_offset), e = std::min(hi, s.param_offset + s.length);
       if (b >= e) continue;
       const int64_t sb = s.shard_offset + (b - s.param_offset), se = s.shard_offset + (e - s.param_offset);
@@ -105,15 +167,14 @@ void DistributedOptimizer::set_tensor_parallel(GroupPtr tensor_group, const std:
 }
 
 std::vector<std::pair<std::string, Tensor>> DistributedOptimizer::state() const {
-  return {{"exp_avg", exp_avg_.slice(0, 0, owned())}, {"exp_avg_sq", exp_avg_sq_.slice(0, 0, owned())}};
+  return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}};
 }
 
 nlohmann::json DistributedOptimizer::state_layout() const {
   nlohmann::json params = nlohmann::json::array();
   for (const nn::Parameter* p : params_) params.push_back({p->name, p->numel()});
-  return {{"kind", "zero1"},        {"rank", group_->rank()}, {"size", group_->size()},
-          {"begin", shard_begin_},  {"end", shard_begin_ + owned()}, {"total", total_},
-          {"parameters", params}};
+  return {{"kind", "zero1-buckets"}, {"rank", group_->rank()}, {"size", group_->size()}, {"total", total_},
+          {"parameters", params},    {"buckets", bucket_params_}};
 }
 
 void DistributedOptimizer::load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) {
@@ -124,30 +185,46 @@ void DistributedOptimizer::load_state(const std::vector<std::pair<std::string, T
     Tensor* target = moment.second;
     auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& t) { return t.first == name; });
     TESSERA_CHECK(it != tensors.end(), "DistributedOptimizer::load_state: no tensor '", name, "'");
-    TESSERA_CHECK(it->second.numel() == owned(), "DistributedOptimizer::load_state: '", name, "' has ",
-                  it->second.numel(), " elements, rank ", group_->rank(), "'s range holds ", owned());
-    Tensor converted = Tensor::empty({owned()}, target->dtype());
+    TESSERA_CHECK(it->second.numel() == owned_, "DistributedOptimizer::load_state: '", name, "' has ",
+                  it->second.numel(), " elements, rank ", group_->rank(), " owns ", owned_);
+    if (owned_ == 0) continue;
+    Tensor converted = Tensor::empty({owned_}, target->dtype());
     Context cpu = Context::cpu();
-    if (owned() > 0) cast(cpu, it->second.to(Device::cpu()).contiguous().reshape({owned()}), converted);
-    target->fill_zero();
-    Tensor range = target->slice(0, 0, owned());
-    if (owned() > 0) range.copy_from(converted.to(target->device()));
+    cast(cpu, it->second.to(Device::cpu()).contiguous().reshape({owned_}), converted);
+    target->copy_from(converted.to(target->device()));
   }
   step_ = step;
 }
 
 std::vector<std::pair<std::string, Tensor>> DistributedOptimizer::per_parameter_state(Context& ctx) const {
-  std::vector<std::pair<std::string, Tensor>> out;
   const int64_t size = group_->size();
-  Tensor flat_avg = Tensor::zeros({size * shard_}, exp_avg_.dtype(), exp_avg_.device());
-  Tensor flat_sq = Tensor::zeros({size * shard_}, exp_avg_.dtype(), exp_avg_.device());
-  group_->all_gather(ctx, exp_avg_, flat_avg);
-  group_->all_gather(ctx, exp_avg_sq_, flat_sq);
+  std::vector<Tensor> avg, sq;
+  for (const nn::Parameter* p : params_) {
+    avg.push_back(Tensor::zeros({p->numel()}, exp_avg_.dtype(), exp_avg_.device()));
+    sq.push_back(Tensor::zeros({p->numel()}, exp_avg_.dtype(), exp_avg_.device()));
+  }
+  // Per bucket: this rank's chunk (padded, from the packed moments), all-gathered.
+  for (const Bucket& b : buckets_) {
+    for (auto [moment, out] : {std::pair<const Tensor*, std::vector<Tensor>*>{&exp_avg_, &avg}, {&exp_avg_sq_, &sq}}) {
+      Tensor chunk = Tensor::zeros({b.chunk}, exp_avg_.dtype(), exp_avg_.device());
+      for (const Zero1Piece& s : pieces_) {
+        if (s.shard_offset < b.shard_offset || s.shard_offset >= b.shard_offset + b.chunk) continue;
+        Tensor dst = chunk.slice(0, s.shard_offset - b.shard_offset, s.shard_offset - b.shard_offset + s.length);
+        detail::stream_copy(ctx, moment->slice(0, s.packed_offset, s.packed_offset + s.length), dst);
+      }
+      Tensor flat = Tensor::zeros({size * b.chunk}, exp_avg_.dtype(), exp_avg_.device());
+      group_->all_gather(ctx, chunk, flat);
+      for (size_t j = 0; j < b.parameters.size(); ++j) {
+        Tensor& dst = (*out)[b.parameters[j]];
+        detail::stream_copy(ctx, flat.slice(0, b.offsets[j], b.offsets[j] + dst.numel()), dst);
+      }
+    }
+  }
+  std::vector<std::pair<std::string, Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Shape& shape = params_[i]->weights().shape();
-    const int64_t begin = offsets_[i], end = offsets_[i] + params_[i]->numel();
-    out.emplace_back(params_[i]->name + ".exp_avg", flat_avg.slice(0, begin, end).reshape(shape).clone());
-    out.emplace_back(params_[i]->name + ".exp_avg_sq", flat_sq.slice(0, begin, end).reshape(shape).clone());
+    out.emplace_back(params_[i]->name + ".exp_avg", avg[i].reshape(shape));
+    out.emplace_back(params_[i]->name + ".exp_avg_sq", sq[i].reshape(shape));
   }
   return out;
 }
@@ -160,40 +237,86 @@ void DistributedOptimizer::load_per_parameter_state(const std::vector<std::pair<
     TESSERA_CHECK(it != tensors.end(), "DistributedOptimizer::load_per_parameter_state: no tensor '", name, "'");
     return it->second;
   };
-  exp_avg_.fill_zero();
-  exp_avg_sq_.fill_zero();
-  for (const Segment& s : segments_) {
+  for (const Zero1Piece& s : pieces_) {
+    const nn::Parameter* p = params_[s.parameter];
     for (auto [suffix, target] : {std::pair<const char*, Tensor*>{".exp_avg", &exp_avg_}, {".exp_avg_sq", &exp_avg_sq_}}) {
-      const Tensor& t = find(s.parameter->name + suffix);
-      TESSERA_CHECK(t.numel() == s.parameter->numel(), "DistributedOptimizer::load_per_parameter_state: '",
-                    s.parameter->name, suffix, "' has ", t.numel(), " elements, the parameter ", s.parameter->numel());
+      const Tensor& t = find(p->name + suffix);
+      TESSERA_CHECK(t.numel() == p->numel(), "DistributedOptimizer::load_per_parameter_state: '", p->name, suffix,
+                    "' has ", t.numel(), " elements, the parameter ", p->numel());
       const Tensor part =
           t.to(Device::cpu()).contiguous().reshape({t.numel()}).slice(0, s.param_offset, s.param_offset + s.length).contiguous();
       Tensor converted = Tensor::empty({s.length}, target->dtype());
       cast(cpu, part, converted);
-      Tensor slot = target->slice(0, s.shard_offset, s.shard_offset + s.length);
+      Tensor slot = target->slice(0, s.packed_offset, s.packed_offset + s.length);
       slot.copy_from(converted.to(target->device()));
     }
   }
   step_ = step;
 }
 
+void DistributedOptimizer::start(Context& ctx, Bucket& b) {
+  for (size_t j = 0; j < b.parameters.size(); ++j) {
+    const Tensor& g = params_[b.parameters[j]]->grad;
+    Tensor slot = b.flat.slice(0, b.offsets[j], b.offsets[j] + g.numel());
+    detail::stream_copy(ctx, g.contiguous().reshape({g.numel()}), slot);
+  }
+  Tensor out = grad_shard_.slice(0, b.shard_offset, b.shard_offset + b.chunk);
+  b.work = group_->reduce_scatter_async(ctx, b.flat, out, ReduceOp::Avg);
+  b.started = true;
+}
+
+void DistributedOptimizer::wait_all() {
+  for (Bucket& b : buckets_) {
+    if (b.work) b.work->wait();
+    b.work.reset();
+  }
+}
+
+void DistributedOptimizer::mark_ready(Context& ctx, const nn::Parameter& parameter) {
+  auto it = std::lower_bound(bucket_of_.begin(), bucket_of_.end(), std::make_pair(&parameter, size_t{0}));
+  TESSERA_CHECK(it != bucket_of_.end() && it->first == &parameter, "DistributedOptimizer::mark_ready: ", parameter.name,
+                " is not one of the optimizer's parameters");
+  TESSERA_CHECK(!reduced_, "DistributedOptimizer::mark_ready: ", parameter.name,
+                " marked after the gradients were reduced (begin_backward first)");
+  TESSERA_CHECK(std::find(marked_.begin(), marked_.end(), &parameter) == marked_.end(),
+                "DistributedOptimizer::mark_ready: ", parameter.name, " was marked twice in one step");
+  marked_.push_back(&parameter);
+  Bucket& b = buckets_[it->second];
+  if (++b.ready == static_cast<int>(b.parameters.size())) start(ctx, b);
+}
+
+void DistributedOptimizer::reduce_gradients(Context& ctx) {
+  if (reduced_) return;
+  // What the marks did not start, starts here in bucket order. Every rank runs the same
+  // backward and marks in the same order, so every rank issues the same collectives.
+  for (Bucket& b : buckets_)
+    if (!b.started) start(ctx, b);
+  wait_all();
+  reduced_ = true;
+}
+
+void DistributedOptimizer::begin_backward() {
+  wait_all();
+  for (Bucket& b : buckets_) {
+    b.ready = 0;
+    b.started = false;
+  }
+  marked_.clear();
+  reduced_ = false;
+}
+
 double DistributedOptimizer::step(Context& ctx, double lr) {
   ++step_;
-  // 0. This range's master weights, from the parameters (see the header).
-  for (const Segment& s : segments_) {
-    const Tensor w = s.parameter->weights().contiguous().reshape({s.parameter->numel()});
+  // 1. Averaged gradients of this rank's chunks (what the backward started, and the rest).
+  reduce_gradients(ctx);
+  // 0. This shard's master weights, from the parameters (see the header).
+  for (const Zero1Piece& s : pieces_) {
+    const nn::Parameter* p = params_[s.parameter];
+    const Tensor w = p->weights().contiguous().reshape({p->numel()});
     Tensor dst = weights_shard_.slice(0, s.shard_offset, s.shard_offset + s.length);
     detail::stream_copy(ctx, w.slice(0, s.param_offset, s.param_offset + s.length), dst);
   }
-  // 1. Averaged gradients of this rank's range.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Tensor& g = params_[i]->grad;
-    Tensor slot = flat_grad_.slice(0, offsets_[i], offsets_[i] + g.numel());
-    detail::stream_copy(ctx, g.contiguous().reshape({g.numel()}), slot);
-  }
-  group_->reduce_scatter(ctx, flat_grad_, grad_shard_, ReduceOp::Avg);
-  // 2. The global norm: this range's sum of squares, summed over the ranks (padding is 0).
+  // 2. The global norm: this shard's sum of squares, summed over the ranks (padding is 0).
   double norm = 0;
   if (!tensor_group_) {
     Tensor sq = Tensor::zeros({1}, DType::F64, ctx.device);
@@ -222,25 +345,29 @@ double DistributedOptimizer::step(Context& ctx, double lr) {
     const float clip = static_cast<float>(config_.grad_clip / (norm + 1e-6));
     scale(ctx, grad_shard_, clip, grad_shard_);
   }
-  // 4. AdamW on this range, segment by segment for the per-parameter weight decay.
-  for (const Segment& s : segments_) {
+  // 4. AdamW on this shard, piece by piece for the per-parameter weight decay.
+  for (const Zero1Piece& s : pieces_) {
     Tensor w = weights_shard_.slice(0, s.shard_offset, s.shard_offset + s.length);
-    Tensor m = exp_avg_.slice(0, s.shard_offset, s.shard_offset + s.length);
-    Tensor v = exp_avg_sq_.slice(0, s.shard_offset, s.shard_offset + s.length);
+    Tensor m = exp_avg_.slice(0, s.packed_offset, s.packed_offset + s.length);
+    Tensor v = exp_avg_sq_.slice(0, s.packed_offset, s.packed_offset + s.length);
     const Tensor g = grad_shard_.slice(0, s.shard_offset, s.shard_offset + s.length);
     adamw_step(ctx, w, g, m, v,
                {.lr = static_cast<float>(lr), .beta1 = static_cast<float>(config_.beta1),
                 .beta2 = static_cast<float>(config_.beta2), .eps = static_cast<float>(config_.eps),
-                .weight_decay = s.parameter->weight_decay ? static_cast<float>(config_.weight_decay) : 0.0f,
+                .weight_decay = params_[s.parameter]->weight_decay ? static_cast<float>(config_.weight_decay) : 0.0f,
                 .step = step_});
   }
-  // 5. Every rank gets every updated weight.
-  group_->all_gather(ctx, weights_shard_, flat_weights_);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Tensor& w = params_[i]->weights();
-    detail::stream_copy(ctx, flat_weights_.slice(0, offsets_[i], offsets_[i] + params_[i]->numel()).reshape(w.shape()), w);
-    params_[i]->refresh_value(ctx);
+  // 5. Every rank gets every updated weight, bucket by bucket, through the bucket's buffer.
+  for (Bucket& b : buckets_) {
+    group_->all_gather(ctx, weights_shard_.slice(0, b.shard_offset, b.shard_offset + b.chunk), b.flat);
+    for (size_t j = 0; j < b.parameters.size(); ++j) {
+      nn::Parameter* p = params_[b.parameters[j]];
+      Tensor& w = p->weights();
+      detail::stream_copy(ctx, b.flat.slice(0, b.offsets[j], b.offsets[j] + p->numel()).reshape(w.shape()), w);
+      p->refresh_value(ctx);
+    }
   }
+  begin_backward();
   return norm;
 }
 

@@ -149,6 +149,25 @@ class NcclGroup final : public ProcessGroup {
     TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(reduced, comm));
     return std::make_unique<NcclWork>(reduced, stream_of(ctx));
   }
+  // As all_reduce_async: on the communication stream after what ctx.stream has queued so
+  // far; wait() makes ctx.stream wait for the result.
+  std::unique_ptr<Work> reduce_scatter_async(Context& ctx, const Tensor& in, Tensor& out, ReduceOp op) override {
+    check(ctx, in, "reduce_scatter_async", "in");
+    check(ctx, out, "reduce_scatter_async", "out");
+    TESSERA_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() * size_, "reduce_scatter_async: in ",
+                  in.describe(), " must hold ", size_, " x out ", out.describe());
+    cudaStream_t comm = comm_stream();
+    cudaEvent_t produced = make_event();
+    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(produced, stream_of(ctx)));
+    TESSERA_NCCL_CUDA_CHECK(cudaStreamWaitEvent(comm, produced, 0));
+    TESSERA_NCCL_CUDA_CHECK(cudaEventDestroy(produced));  // the wait above is already queued
+    TESSERA_NCCL_CHECK(ncclReduceScatter(in.raw_data(), out.raw_data(), static_cast<size_t>(out.numel()),
+                                         nccl_type(in.dtype(), "reduce_scatter"), nccl_op(op), comm_, comm));
+    watch(comm, "reduce_scatter");
+    cudaEvent_t reduced = make_event();
+    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(reduced, comm));
+    return std::make_unique<NcclWork>(reduced, stream_of(ctx));
+  }
   void reduce_scatter(Context& ctx, const Tensor& in, Tensor& out, ReduceOp op) override {
     check(ctx, in, "reduce_scatter", "in");
     check(ctx, out, "reduce_scatter", "out");

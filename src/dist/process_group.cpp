@@ -35,6 +35,11 @@ std::unique_ptr<Work> ProcessGroup::all_reduce_async(Context& ctx, Tensor& tenso
   return std::make_unique<Work>();
 }
 
+std::unique_ptr<Work> ProcessGroup::reduce_scatter_async(Context& ctx, const Tensor& in, Tensor& out, ReduceOp op) {
+  reduce_scatter(ctx, in, out, op);
+  return std::make_unique<Work>();
+}
+
 std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
   int position = -1;
   std::vector<bool> seen(static_cast<size_t>(size_), false);

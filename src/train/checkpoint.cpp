@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "tessera/core/stream.h"
+#include "tessera/dist/distributed_optimizer.h"
 #include "tessera/io/atomic_file.h"
 #include "tessera/ops/elementwise.h"
 #if TESSERA_WITH_CUDA
@@ -563,8 +564,44 @@ ParameterSizes sizes_of(const nn::ParameterList& params) {
   return out;
 }
 
+// A run of the flat parameter-order index space (every parameter end to end in list order):
+// [begin, begin + length).
+struct FlatRun {
+  int64_t begin, length;
+};
+
+// The runs of the flat space a ZeRO-1 layout gives rank `rank`, in the order its state()
+// tensors hold them: "zero1" (one contiguous range of the flat space, padded to a multiple
+// of the size) or "zero1-buckets" (the rank's chunk of every bucket, dist::zero1_pieces).
+std::vector<FlatRun> zero1_runs(const nlohmann::json& layout, const ParameterSizes& params, int64_t rank) {
+  int64_t total = 0;
+  std::vector<int64_t> offsets, numels;
+  for (const auto& p : params) {
+    offsets.push_back(total);
+    numels.push_back(p.second);
+    total += p.second;
+  }
+  const std::string kind = layout.value("kind", "");
+  const int64_t size = layout.at("size").get<int64_t>();
+  if (kind == "zero1") {
+    const int64_t shard = (total + size - 1) / size;
+    const int64_t first = rank * shard, last = std::min(total, (rank + 1) * shard);
+    if (first >= last) return {};
+    return {{first, last - first}};
+  }
+  TESSERA_CHECK(kind == "zero1-buckets", "checkpoint: optimizer state of an unknown layout ", layout.dump());
+  const auto buckets = layout.at("buckets").get<std::vector<std::vector<size_t>>>();
+  std::vector<FlatRun> out;
+  for (const dist::Zero1Piece& p : dist::zero1_pieces(numels, buckets, static_cast<int>(size), static_cast<int>(rank)))
+    out.push_back({offsets[p.parameter] + p.param_offset, p.length});
+  return out;
+}
+
+// Reads the moments of the flat runs `want` (concatenated in that order into exp_avg and
+// exp_avg_sq) from a checkpoint of any optimizer layout: per parameter (null), or ZeRO-1
+// shards of any data-parallel size and bucketing.
 void read_moments(const std::string& dir, const nlohmann::json& saved_layout, const ParameterSizes& params,
-                  int64_t begin, int64_t end, Tensor& exp_avg, Tensor& exp_avg_sq) {
+                  const std::vector<FlatRun>& want, Tensor& exp_avg, Tensor& exp_avg_sq) {
   Context cpu = Context::cpu();
   // Copies src (1-D, any float dtype) [src_begin, src_begin + n) into dst [dst_begin, ...).
   auto copy_part = [&](const Tensor& src, int64_t src_begin, Tensor& dst, int64_t dst_begin, int64_t n) {
@@ -578,6 +615,25 @@ void read_moments(const std::string& dir, const nlohmann::json& saved_layout, co
       slot.copy_from(converted);
     }
   };
+  // Calls f(src_offset, dst_offset, n) for each overlap of the source runs (held end to end
+  // in one source tensor) with the wanted runs.
+  auto overlaps = [&](const std::vector<FlatRun>& source, auto&& f) {
+    int64_t src_at = 0;
+    for (const FlatRun& s : source) {
+      int64_t dst_at = 0;
+      for (const FlatRun& w : want) {
+        const int64_t lo = std::max(s.begin, w.begin), hi = std::min(s.begin + s.length, w.begin + w.length);
+        if (lo < hi) f(src_at + (lo - s.begin), dst_at + (lo - w.begin), hi - lo);
+        dst_at += w.length;
+      }
+      src_at += s.length;
+    }
+  };
+  auto touches = [&](const std::vector<FlatRun>& source) {
+    bool any = false;
+    overlaps(source, [&](int64_t, int64_t, int64_t) { any = true; });
+    return any;
+  };
   int64_t total = 0;
   for (const auto& p : params) total += p.second;
   if (saved_layout.is_null()) {
@@ -586,23 +642,23 @@ void read_moments(const std::string& dir, const nlohmann::json& saved_layout, co
     const io::SafetensorsFile file(path);
     int64_t offset = 0;
     for (const auto& [p_name, p_numel] : params) {
-      const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + p_numel);
-      if (lo < hi) {
-        for (auto [suffix, out] : {std::pair<const char*, Tensor*>{".exp_avg", &exp_avg}, {".exp_avg_sq", &exp_avg_sq}}) {
-          const std::string name = p_name + suffix;
-          TESSERA_CHECK(file.contains(name), "optimizer state: missing tensor '", name, "'");
-          const Tensor t = file.get(name);
-          TESSERA_CHECK(t.numel() == p_numel, "optimizer state: '", name, "' has ", t.numel(), " elements, the model's ",
-                        p_name, " ", p_numel);
-          copy_part(t, lo - offset, *out, lo - begin, hi - lo);
-        }
-      }
+      const std::vector<FlatRun> source = {{offset, p_numel}};
       offset += p_numel;
+      if (!touches(source)) continue;
+      for (auto [suffix, out] : {std::pair<const char*, Tensor*>{".exp_avg", &exp_avg}, {".exp_avg_sq", &exp_avg_sq}}) {
+        const std::string name = p_name + suffix;
+        TESSERA_CHECK(file.contains(name), "optimizer state: missing tensor '", name, "'");
+        const Tensor t = file.get(name);
+        TESSERA_CHECK(t.numel() == p_numel, "optimizer state: '", name, "' has ", t.numel(), " elements, the model's ",
+                      p_name, " ", p_numel);
+        overlaps(source, [&](int64_t src, int64_t dst, int64_t n) { copy_part(t, src, *out, dst, n); });
+      }
     }
     return;
   }
-  TESSERA_CHECK(saved_layout.value("kind", "") == "zero1", "checkpoint: ", dir, " has optimizer state of an unknown layout ",
-                saved_layout.dump());
+  const std::string kind = saved_layout.value("kind", "");
+  TESSERA_CHECK(kind == "zero1" || kind == "zero1-buckets", "checkpoint: ", dir,
+                " has optimizer state of an unknown layout ", saved_layout.dump());
   const int64_t saved_total = saved_layout.at("total").get<int64_t>(), size = saved_layout.at("size").get<int64_t>();
   TESSERA_CHECK(saved_total == total, "checkpoint: the optimizer shards in ", dir, " cover ", saved_total,
                 " elements, the model has ", total);
@@ -611,11 +667,11 @@ void read_moments(const std::string& dir, const nlohmann::json& saved_layout, co
   TESSERA_CHECK(saved_layout.at("parameters") == names, "checkpoint: the optimizer shards in ", dir,
                 " were laid out for another parameter list (names or sizes differ from the model's)");
   TESSERA_CHECK(size >= 1, "checkpoint: bad shard count in ", dir);
-  const int64_t shard = (total + size - 1) / size;
   for (int64_t r = 0; r < size; ++r) {
-    const int64_t first = r * shard, last = std::min(total, (r + 1) * shard);
-    const int64_t lo = std::max(begin, first), hi = std::min(end, last);
-    if (lo >= hi) continue;
+    const std::vector<FlatRun> source = zero1_runs(saved_layout, params, r);
+    if (!touches(source)) continue;
+    int64_t held = 0;
+    for (const FlatRun& s : source) held += s.length;
     const std::string path = (fs::path(dir) / zero1_file_name(r, size)).string();
     TESSERA_CHECK(fs::exists(path), "checkpoint: ", dir, " lacks the optimizer shard of data rank ", r, " (",
                   zero1_file_name(r, size), ")");
@@ -623,9 +679,9 @@ void read_moments(const std::string& dir, const nlohmann::json& saved_layout, co
     for (auto [name, out] : {std::pair<const char*, Tensor*>{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}}) {
       TESSERA_CHECK(file.contains(name), "checkpoint: ", path, " has no tensor '", name, "'");
       const Tensor t = file.get(name);
-      TESSERA_CHECK(t.numel() == last - first, "checkpoint: ", path, ": '", name, "' has ", t.numel(),
-                    " elements, its range [", first, ", ", last, ") needs ", last - first);
-      copy_part(t, lo - first, *out, lo - begin, hi - lo);
+      TESSERA_CHECK(t.numel() == held, "checkpoint: ", path, ": '", name, "' has ", t.numel(),
+                    " elements, data rank ", r, "'s part of the layout holds ", held);
+      overlaps(source, [&](int64_t src, int64_t dst, int64_t n) { copy_part(t, src, *out, dst, n); });
     }
   }
 }
@@ -646,13 +702,16 @@ void load_optimizer_state(const std::string& dir, const nlohmann::json& state, m
     return;
   }
   const nn::ParameterList params = model.parameters();
+  const ParameterSizes sizes = sizes_of(params);
   int64_t total = 0;
   for (const nn::Parameter* p : params) total += p->numel();
-  const int64_t begin = want.is_null() ? 0 : want.at("begin").get<int64_t>();
-  const int64_t end = want.is_null() ? total : want.at("end").get<int64_t>();
+  const std::vector<FlatRun> runs =
+      want.is_null() ? std::vector<FlatRun>{{0, total}} : zero1_runs(want, sizes, want.at("rank").get<int64_t>());
+  int64_t held = 0;
+  for (const FlatRun& r : runs) held += r.length;
   const DType dtype = params.empty() ? DType::F32 : params[0]->weights().dtype();
-  Tensor exp_avg = Tensor::zeros({end - begin}, dtype), exp_avg_sq = Tensor::zeros({end - begin}, dtype);
-  read_moments(dir, saved, sizes_of(params), begin, end, exp_avg, exp_avg_sq);
+  Tensor exp_avg = Tensor::zeros({held}, dtype), exp_avg_sq = Tensor::zeros({held}, dtype);
+  read_moments(dir, saved, sizes, runs, exp_avg, exp_avg_sq);
   if (!want.is_null()) {
     optimizer.load_state({{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}}, step);
     return;
@@ -696,7 +755,7 @@ void load_tensor_parallel(const std::string& dir, const nlohmann::json& state, c
   for (const auto& [name, numel] : sizes) total += numel;
   const DType dtype = params.front()->weights().dtype();
   Tensor exp_avg = Tensor::zeros({total}, dtype), exp_avg_sq = Tensor::zeros({total}, dtype);
-  read_moments(dir, state.value("optimizer_layout", nlohmann::json()), sizes, 0, total, exp_avg, exp_avg_sq);
+  read_moments(dir, state.value("optimizer_layout", nlohmann::json()), sizes, {{0, total}}, exp_avg, exp_avg_sq);
   models::TransformerLM::NamedTensors moments;
   int64_t offset = 0;
   for (size_t i = 0; i < params.size(); ++i) {

@@ -121,8 +121,10 @@ void DistributedRun::wait_for_all() {
 std::unique_ptr<dist::DistributedOptimizer> DistributedRun::make_zero1(Context& ctx, models::TransformerLM& model,
                                                                        const OptimizerConfig& config) {
   if (!zero1_) return nullptr;
-  auto zero1 = std::make_unique<dist::DistributedOptimizer>(ctx, model.parameters(), rt_.grid->data, config);
+  auto zero1 = std::make_unique<dist::DistributedOptimizer>(ctx, model.parameters(), rt_.grid->data, config,
+                                                             dist::DistributedOptimizerOptions{.bucket_bytes = bucket_bytes_});
   if (model.tensor_parallel()) zero1->set_tensor_parallel(rt_.grid->tensor, model.shard_layouts());
+  zero1_opt_ = zero1.get();
   return zero1;
 }
 
@@ -135,16 +137,31 @@ void DistributedRun::setup_replicas(Context& ctx, models::TransformerLM& model) 
 }
 
 void DistributedRun::arm_overlap(models::TransformerLM& model, bool overlap) {
-  armed_ = dp_ && overlap_ && overlap;
+  // ZeRO-1: a new backward; forgets what a skipped step (a NaN loss) left reduced.
+  if (zero1_opt_) zero1_opt_->begin_backward();
+  const bool reduces = dp_ || (zero1_opt_ && data_size() > 1);
+  armed_ = reduces && overlap_ && overlap;
   if (!armed_) {
     model.set_grad_ready_hook({});
     return;
   }
-  dist::DataParallel* dp = dp_.get();
-  model.set_grad_ready_hook([dp](Context& ctx, nn::Parameter& p) { dp->mark_ready(ctx, p); });
+  if (dp_) {
+    dist::DataParallel* dp = dp_.get();
+    model.set_grad_ready_hook([dp](Context& ctx, nn::Parameter& p) { dp->mark_ready(ctx, p); });
+  } else {
+    dist::DistributedOptimizer* zero1 = zero1_opt_;
+    model.set_grad_ready_hook([zero1](Context& ctx, nn::Parameter& p) { zero1->mark_ready(ctx, p); });
+  }
 }
 
 void DistributedRun::reduce_gradients(Context& ctx) {
+  if (zero1_opt_) {
+    // The buckets the backward started are waited for here (the step itself reduces the
+    // rest when not armed), so that none is left in flight when the step is skipped.
+    if (armed_) zero1_opt_->reduce_gradients(ctx);
+    armed_ = false;
+    return;
+  }
   if (!dp_) return;
   if (armed_) {
     dp_->finish(ctx);  // the buckets the backward started, and any it did not

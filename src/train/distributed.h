@@ -71,15 +71,17 @@ class DistributedRun {
   // After the weights are final (init, resume, init_from): rank 0's weights to every data
   // rank, and the gradient buckets when the plain optimizer runs on several data ranks.
   void setup_replicas(Context& ctx, models::TransformerLM& model);
-  // Before each micro-batch's forward_backward: with the plain optimizer on several data
-  // ranks and training.parallel.overlap_grad_reduce, `overlap` (the last micro-batch of the
-  // step) makes the model's backward start each gradient bucket's reduction as soon as its
-  // parameters are final (TransformerLM::set_grad_ready_hook -> DataParallel::mark_ready);
-  // otherwise the hook is off.
+  // Before each micro-batch's forward_backward: on several data ranks with
+  // training.parallel.overlap_grad_reduce, `overlap` (the last micro-batch of the step)
+  // makes the model's backward start each gradient bucket's reduction as soon as its
+  // parameters are final (TransformerLM::set_grad_ready_hook -> DataParallel::mark_ready,
+  // or DistributedOptimizer::mark_ready: a reduce-scatter per bucket); otherwise the hook is
+  // off.
   void arm_overlap(models::TransformerLM& model, bool overlap);
-  // Averages the gradients over the data ranks (the plain optimizer; ZeRO-1 reduce-scatters
-  // inside its step): waits for the buckets the backward started and reduces the rest, or,
-  // when not armed, reduces every bucket now. The same bits either way.
+  // Averages the gradients over the data ranks. The plain optimizer: waits for the buckets
+  // the backward started and reduces the rest, or, when not armed, reduces every bucket now.
+  // ZeRO-1: when armed, starts the rest and waits (otherwise its step reduce-scatters). The
+  // same bits either way.
   void reduce_gradients(Context& ctx);
   // Over the data ranks, in double on the host.
   double average(double local);
@@ -108,6 +110,7 @@ class DistributedRun {
   size_t bucket_bytes_ = 0;
   bool overlap_ = true, armed_ = false;
   std::unique_ptr<dist::DataParallel> dp_;
+  dist::DistributedOptimizer* zero1_opt_ = nullptr;  // make_zero1's, owned by the caller
 };
 
 }  // namespace tessera::train::detail

@@ -74,6 +74,10 @@ class ProcessGroup {
   // the work queued on ctx.stream later; wait() makes ctx.stream wait for it (no host
   // synchronisation). The tensor must stay alive and unwritten until then.
   virtual std::unique_ptr<Work> all_reduce_async(Context& ctx, Tensor& tensor, ReduceOp op = ReduceOp::Sum);
+  // The same for reduce_scatter (ZeRO-1's gradient buckets): `in` and `out` must stay alive,
+  // `in` unwritten and `out` unread until wait().
+  virtual std::unique_ptr<Work> reduce_scatter_async(Context& ctx, const Tensor& in, Tensor& out,
+                                                     ReduceOp op = ReduceOp::Sum);
 
   // ---- Sub-groups ----
   // Collective over this group: every member calls split with its color; the members with
