@@ -313,6 +313,12 @@ TransformerLM::HeadLoss TransformerLM::forward_backward_queued(Context& ctx, con
     const Tensor dy = d;
     d = layers[i]->backward_input(ctx, dy, saved.layers[i]);
     layers[i]->backward_weight(ctx, dy, saved.layers[i]);
+    // Nothing reads this layer's activations again: free them now, so that memory falls
+    // layer by layer through the backward instead of holding every layer's to its end.
+    // (The MoE auxiliary losses are read once the step is done.)
+    Tensor moe_losses = std::move(saved.layers[i].moe.losses);
+    saved.layers[i] = {};
+    saved.layers[i].moe.losses = std::move(moe_losses);
     if (grad_ready_) {
       nn::ParameterList done;
       layers[i]->parameters(done);
