@@ -645,7 +645,8 @@ void read_moments(const std::string& dir, const nlohmann::json& saved_layout, co
       const std::vector<FlatRun> source = {{offset, p_numel}};
       offset += p_numel;
       if (!touches(source)) continue;
-      for (auto [suffix, out] : {std::pair<const char*, Tensor*>{".exp_avg", &exp_avg}, {".exp_avg_sq", &exp_avg_sq}}) {
+      for (auto [suffix, target] : {std::pair<const char*, Tensor*>{".exp_avg", &exp_avg}, {".exp_avg_sq", &exp_avg_sq}}) {
+        Tensor* out = target;  // a plain variable: clang before 16 cannot capture a structured binding
         const std::string name = p_name + suffix;
         TESSERA_CHECK(file.contains(name), "optimizer state: missing tensor '", name, "'");
         const Tensor t = file.get(name);
@@ -676,7 +677,8 @@ void read_moments(const std::string& dir, const nlohmann::json& saved_layout, co
     TESSERA_CHECK(fs::exists(path), "checkpoint: ", dir, " lacks the optimizer shard of data rank ", r, " (",
                   zero1_file_name(r, size), ")");
     const io::SafetensorsFile file(path);
-    for (auto [name, out] : {std::pair<const char*, Tensor*>{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}}) {
+    for (auto [name, target] : {std::pair<const char*, Tensor*>{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}}) {
+      Tensor* out = target;  // see above
       TESSERA_CHECK(file.contains(name), "checkpoint: ", path, " has no tensor '", name, "'");
       const Tensor t = file.get(name);
       TESSERA_CHECK(t.numel() == held, "checkpoint: ", path, ": '", name, "' has ", t.numel(),
