@@ -130,43 +130,25 @@ class NcclGroup final : public ProcessGroup {
                                      nccl_type(t.dtype(), "all_reduce"), nccl_op(op), comm_, stream_of(ctx)));
     watch(ctx, "all_reduce");
   }
-  // On the group's own communication stream, so that the reduction runs beside the
-  // computation queued on ctx.stream after it (the rest of backward) instead of behind it.
-  // The communication stream first waits for what ctx.stream has queued so far (the
-  // producer of t); wait() makes ctx.stream wait for the reduction. t must stay alive and
-  // untouched until then.
+  // The asynchronous collectives run on the group's own communication stream, so that they
+  // run beside the computation queued on ctx.stream after them (the rest of backward)
+  // instead of behind it. Their tensors must stay alive and untouched until wait().
   std::unique_ptr<Work> all_reduce_async(Context& ctx, Tensor& t, ReduceOp op) override {
     check(ctx, t, "all_reduce_async", "tensor");
-    cudaStream_t comm = comm_stream();
-    cudaEvent_t produced = make_event();
-    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(produced, stream_of(ctx)));
-    TESSERA_NCCL_CUDA_CHECK(cudaStreamWaitEvent(comm, produced, 0));
-    TESSERA_NCCL_CUDA_CHECK(cudaEventDestroy(produced));  // the wait above is already queued
-    TESSERA_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<size_t>(t.numel()),
-                                     nccl_type(t.dtype(), "all_reduce"), nccl_op(op), comm_, comm));
-    watch(comm, "all_reduce");
-    cudaEvent_t reduced = make_event();
-    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(reduced, comm));
-    return std::make_unique<NcclWork>(reduced, stream_of(ctx));
+    return on_comm_stream(ctx, "all_reduce", [&](cudaStream_t comm) {
+      TESSERA_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<size_t>(t.numel()),
+                                       nccl_type(t.dtype(), "all_reduce"), nccl_op(op), comm_, comm));
+    });
   }
-  // As all_reduce_async: on the communication stream after what ctx.stream has queued so
-  // far; wait() makes ctx.stream wait for the result.
   std::unique_ptr<Work> reduce_scatter_async(Context& ctx, const Tensor& in, Tensor& out, ReduceOp op) override {
     check(ctx, in, "reduce_scatter_async", "in");
     check(ctx, out, "reduce_scatter_async", "out");
     TESSERA_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() * size_, "reduce_scatter_async: in ",
                   in.describe(), " must hold ", size_, " x out ", out.describe());
-    cudaStream_t comm = comm_stream();
-    cudaEvent_t produced = make_event();
-    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(produced, stream_of(ctx)));
-    TESSERA_NCCL_CUDA_CHECK(cudaStreamWaitEvent(comm, produced, 0));
-    TESSERA_NCCL_CUDA_CHECK(cudaEventDestroy(produced));  // the wait above is already queued
-    TESSERA_NCCL_CHECK(ncclReduceScatter(in.raw_data(), out.raw_data(), static_cast<size_t>(out.numel()),
-                                         nccl_type(in.dtype(), "reduce_scatter"), nccl_op(op), comm_, comm));
-    watch(comm, "reduce_scatter");
-    cudaEvent_t reduced = make_event();
-    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(reduced, comm));
-    return std::make_unique<NcclWork>(reduced, stream_of(ctx));
+    return on_comm_stream(ctx, "reduce_scatter", [&](cudaStream_t comm) {
+      TESSERA_NCCL_CHECK(ncclReduceScatter(in.raw_data(), out.raw_data(), static_cast<size_t>(out.numel()),
+                                           nccl_type(in.dtype(), "reduce_scatter"), nccl_op(op), comm_, comm));
+    });
   }
   void reduce_scatter(Context& ctx, const Tensor& in, Tensor& out, ReduceOp op) override {
     check(ctx, in, "reduce_scatter", "in");
@@ -273,6 +255,21 @@ class NcclGroup final : public ProcessGroup {
       TESSERA_NCCL_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, greatest));
     }
     return comm_stream_;
+  }
+  // Queues `collective(comm)` on the communication stream after what ctx.stream has queued
+  // so far (the producer of its tensors); the handle's wait() makes ctx.stream wait for it.
+  template <typename Collective>
+  std::unique_ptr<Work> on_comm_stream(Context& ctx, const char* op, Collective&& collective) {
+    cudaStream_t comm = comm_stream();
+    cudaEvent_t produced = make_event();
+    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(produced, stream_of(ctx)));
+    TESSERA_NCCL_CUDA_CHECK(cudaStreamWaitEvent(comm, produced, 0));
+    TESSERA_NCCL_CUDA_CHECK(cudaEventDestroy(produced));  // the wait above is already queued
+    collective(comm);
+    watch(comm, op);
+    cudaEvent_t done = make_event();
+    TESSERA_NCCL_CUDA_CHECK(cudaEventRecord(done, comm));
+    return std::make_unique<NcclWork>(done, stream_of(ctx));
   }
   static cudaEvent_t make_event() {
     cudaEvent_t event = nullptr;
