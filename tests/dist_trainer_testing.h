@@ -9,25 +9,19 @@
 #include <string>
 #include <vector>
 
+#include "ckpt_testing.h"
 #include "dist_testing.h"
 #include "tessera/train/trainer.h"
 
 namespace tessera::testing {
 
-// Tiny Llama (GQA 4/2, vocabulary 257), 8 sequences of 16 tokens per step over all ranks
-// (batch_size 2 per rank and micro-batch), 10 steps, validation every 5. The callers add
-// training.parallel.
+// ckpt_testing's tiny Llama (GQA 4/2, vocabulary 257) with 8 sequences of 16 tokens per
+// step over all ranks (batch_size 2 per rank and micro-batch), 10 steps, validation every
+// 5. The callers add training.parallel.
 inline nlohmann::json tiny_llama_run(const std::string& out_dir, const std::string& text) {
-  nlohmann::json j = nlohmann::json::parse(R"({
-    "model": {"architecture": "llama", "vocab_size": 257, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
-              "num_kv_heads": 2, "intermediate_size": 48, "max_seq_len": 32, "rope_theta": 10000},
-    "data": {"tokenizer": "byte", "validation_fraction": 0.1},
-    "optimizer": {"lr": 0.01, "warmup_steps": 2},
-    "training": {"steps": 10, "batch_size": 2, "global_batch_size": 8, "seq_len": 16, "eval_interval": 5,
-                 "eval_batches": 4, "log_interval": 100}
-  })");
-  j["data"]["text"] = text;
-  j["training"]["out_dir"] = out_dir;
+  nlohmann::json j = ckpt_testing::tiny_config(out_dir, text);
+  j["training"].update({{"steps", 10}, {"batch_size", 2}, {"global_batch_size", 8}, {"eval_interval", 5},
+                        {"eval_batches", 4}, {"log_interval", 100}});
   return j;
 }
 
