@@ -22,8 +22,9 @@
 // statistics, bytes equal for FP8 codes); parameter gradients, the loss and amax take the
 // CPU reference over the whole tensor. NaN never passes.
 //
-// Usage: bench_bandwidth [runs] [filter]   filter: run only ops whose name contains it
-//                                          (for profiling one kernel with ncu, runs = 1)
+// Usage: bench_bandwidth [runs] [filter] [--sweep-norm]
+//   filter: run only ops whose name contains it (for profiling one kernel with ncu, runs = 1);
+//   --sweep-norm: repeat under every launch shape of the norm kernels (cuda::NormTuning)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,6 +39,7 @@
 
 #include "gpu_timing.h"
 #include "backend/cuda/copy.h"
+#include "backend/cuda/norm.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/random.h"
 #include "tessera/ops/activation.h"
@@ -486,6 +488,20 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("bench_bandwidth on %s (%d SMs, %.0f MB L2)\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize / 1e6);
+  if (argc > 3 && std::strcmp(argv[3], "--sweep-norm") == 0) {
+    // The norm kernels under each launch shape (cuda::NormTuning), to choose the defaults.
+    for (int persistent : {1, 0})
+      for (int nv : {1, 2, 4, 8}) {
+        const int backward_nv = nv >= 2 ? 2 : 1;
+        cuda::set_norm_tuning({nv, persistent, backward_nv});
+        std::printf("\n#### norm tuning: forward %d vectors a thread, %s; backward %d vectors a thread\n", nv,
+                    persistent ? "persistent" : "one row per group", backward_nv);
+        run_shape(16384, 4096);
+        run_shape(16384, 768);
+      }
+    cuda::set_norm_tuning({});
+    return 0;
+  }
   run_shape(16384, 4096);
   run_shape(16384, 768);
   return 0;

@@ -17,6 +17,13 @@
 
 namespace tessera::cuda {
 
+namespace {
+NormTuning g_norm_tuning;  // set only by benchmarks, between launches
+}  // namespace
+
+void set_norm_tuning(const NormTuning& tuning) { g_norm_tuning = tuning; }
+NormTuning norm_tuning() { return g_norm_tuning; }
+
 bool norm_supported(std::initializer_list<const Tensor*> activations, std::initializer_list<const Tensor*> params,
                     std::initializer_list<const Tensor*> stats) {
   const DType first = (*activations.begin())->dtype();

@@ -16,6 +16,17 @@ namespace tessera::cuda {
 bool norm_supported(std::initializer_list<const Tensor*> activations, std::initializer_list<const Tensor*> params,
                     std::initializer_list<const Tensor*> stats);
 
+// The launch shape of the register kernels, for tuning sweeps (`bench_bandwidth 30 norm
+// --sweep-norm`); 0 or -1 keeps the measured default. forward_vectors / backward_vectors: the
+// 16-byte vectors each thread of a row group aims to hold (1, 2, 4 or 8: fewer means wider
+// groups); forward_persistent: 1 = one wave of row groups looping over the rows with the next
+// row prefetched, 0 = one block per row group, each normalizing one row.
+struct NormTuning {
+  int forward_vectors = 0, forward_persistent = -1, backward_vectors = 0;
+};
+void set_norm_tuning(const NormTuning& tuning);
+NormTuning norm_tuning();
+
 void layernorm_forward(void* stream, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& y,
                        Tensor& mean, Tensor& rstd);
 void layernorm_backward(void* stream, const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,

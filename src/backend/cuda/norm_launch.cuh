@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "cuda_check.h"
+#include "norm.h"
 #include "norm_kernels.cuh"
 #include "tessera/core/tensor.h"
 
@@ -106,7 +107,10 @@ void norm_forward_to(void* stream, const Tensor& x, const Tensor* residual, Tens
     const bool vectorized = cols % kVec == 0 && aligned(x.raw_data(), 16) && sink.aligned_for(kVec) &&
                             param_aligned(gamma, kVec) && param_aligned(beta, kVec) &&
                             (!kAdd || (aligned(residual_ptr, 16) && aligned(sum_ptr, 16)));
-    const RowConfig cfg = row_config(ceil_div(cols, vectorized ? kVec : 1), 4, kMaxForwardVectors);
+    const NormTuning tuning = norm_tuning();
+    const int target_nv = tuning.forward_vectors > 0 ? tuning.forward_vectors : 4;
+    const bool persistent = tuning.forward_persistent >= 0 ? tuning.forward_persistent == 1 : !kAdd;
+    const RowConfig cfg = row_config(ceil_div(cols, vectorized ? kVec : 1), target_nv, kMaxForwardVectors);
     if (cfg.nv == 0) {
       TESSERA_CHECK(rows <= 0x7fffffff, "norm forward on CUDA: ", rows, " rows exceed one grid");
       norm_forward_wide_kernel<T, kLayer, kAdd, Sink><<<unsigned(rows), kWideThreads, 0, s>>>(
@@ -126,7 +130,7 @@ void norm_forward_to(void* stream, const Tensor& x, const Tensor* residual, Tens
         const int device = x.device().index;
         const int64_t resident = int64_t(device_query(nullptr, 0, device)) *
                                  device_query(reinterpret_cast<const void*>(kernel), cfg.tpr * cfg.rpb, device);
-        const int64_t blocks = kAdd ? ceil_div(rows, cfg.rpb) : std::min(ceil_div(rows, cfg.rpb), resident);
+        const int64_t blocks = persistent ? std::min(ceil_div(rows, cfg.rpb), resident) : ceil_div(rows, cfg.rpb);
         TESSERA_CHECK(blocks <= 0x7fffffff, "norm forward on CUDA: ", rows, " rows exceed one grid");
         kernel<<<unsigned(blocks), dim3(cfg.tpr, cfg.rpb), 0, s>>>(x.data<T>(), residual_ptr, sum_ptr, g, b, sink,
                                                                  mean_ptr, rstd.data<float>(), rows, cols, eps);
@@ -176,7 +180,8 @@ void norm_backward(void* stream, const Tensor& dy, const Tensor& x, const Tensor
     const bool vectorized = cols % kVec == 0 && aligned(x.raw_data(), 16) && aligned(dy.raw_data(), 16) &&
                             aligned(dx.raw_data(), 16) && param_aligned(gamma, kVec) &&
                             (!kAdd || aligned(d_residual_ptr, 16));
-    const RowConfig cfg = row_config(ceil_div(cols, vectorized ? kVec : 1), 2, kMaxBackwardVectors);
+    const int target_nv = norm_tuning().backward_vectors > 0 ? norm_tuning().backward_vectors : 2;
+    const RowConfig cfg = row_config(ceil_div(cols, vectorized ? kVec : 1), target_nv, kMaxBackwardVectors);
     if (cfg.nv == 0) {
       TESSERA_CHECK(rows <= 0x7fffffff, "norm backward on CUDA: ", rows, " rows exceed one grid");
       const int64_t col_blocks = ceil_div(cols, 256);
