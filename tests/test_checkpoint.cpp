@@ -3,6 +3,8 @@
 // writes produce exactly the bytes of synchronous ones.
 #include "tessera/train/checkpoint.h"
 
+#include <zlib.h>
+
 #include <filesystem>
 
 #include "ckpt_testing.h"
@@ -76,6 +78,14 @@ TEST(Checkpoint, ManifestListsEveryFileWithItsChecksum) {
   EXPECT_EQ(train::load_checkpoint(all[0], model, nullptr).step, 2);
   // Known CRC-32 of "123456789" (the check value of the zlib polynomial).
   EXPECT_EQ(train::crc32_bytes("123456789", 9), 0xcbf43926u);
+  // A buffer large enough to be summed on several threads gives zlib's one-pass value.
+  std::vector<unsigned char> big(size_t(100) << 20);
+  uint32_t state = 12345;
+  for (auto& b : big) b = static_cast<unsigned char>((state = state * 1664525u + 1013904223u) >> 24);
+  uLong serial = ::crc32(0, big.data(), static_cast<uInt>(big.size()));
+  EXPECT_EQ(train::crc32_bytes(big.data(), big.size()), static_cast<uint32_t>(serial));
+  serial = ::crc32(7, big.data(), static_cast<uInt>(big.size()));
+  EXPECT_EQ(train::crc32_bytes(big.data(), big.size(), 7), static_cast<uint32_t>(serial));
 }
 
 TEST(Checkpoint, DamageIsDetectedAndNamedAndResumeFallsBack) {

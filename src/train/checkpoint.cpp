@@ -13,6 +13,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "tessera/core/stream.h"
 #include "tessera/dist/distributed_optimizer.h"
@@ -131,14 +132,41 @@ std::string checkpoint_dir_name(int64_t step) {
   return name;
 }
 
-uint32_t crc32_bytes(const void* data, size_t size, uint32_t crc) {
-  const auto* p = static_cast<const Bytef*>(data);
-  uLong c = crc;
+namespace {
+
+uint32_t crc32_serial(const Bytef* p, size_t size, uLong c) {
   while (size > 0) {  // zlib takes uInt lengths
     const uInt n = static_cast<uInt>(std::min<size_t>(size, 1u << 30));
     c = ::crc32(c, p, n);
     p += n;
     size -= n;
+  }
+  return static_cast<uint32_t>(c);
+}
+
+}  // namespace
+
+uint32_t crc32_bytes(const void* data, size_t size, uint32_t crc) {
+  // zlib's CRC runs at 1-2 GB/s on one core, which made it the largest part of writing a
+  // 14 GB checkpoint. Large buffers are split into chunks summed on several threads and
+  // joined with crc32_combine: the same value as one pass.
+  const auto* p = static_cast<const Bytef*>(data);
+  constexpr size_t kMinChunk = size_t(32) << 20;
+  const size_t threads = std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), size / kMinChunk);
+  if (threads < 2) return crc32_serial(p, size, crc);
+  const size_t chunk = (size + threads - 1) / threads;
+  std::vector<uint32_t> parts(threads);
+  std::vector<std::thread> workers;
+  for (size_t t = 1; t < threads; ++t)
+    workers.emplace_back([&, t] {
+      const size_t begin = t * chunk;
+      parts[t] = crc32_serial(p + begin, std::min(chunk, size - begin), 0);
+    });
+  uLong c = crc32_serial(p, chunk, crc);
+  for (auto& w : workers) w.join();
+  for (size_t t = 1; t < threads; ++t) {
+    const size_t begin = t * chunk;
+    c = ::crc32_combine(c, parts[t], static_cast<z_off_t>(std::min(chunk, size - begin)));
   }
   return static_cast<uint32_t>(c);
 }
