@@ -13,6 +13,21 @@
 // during the backward, as the trainer does, on NCCL's communication stream beside the
 // compute stream. Rank 0 prints one JSON line with the median step time and tokens/s per
 // rank and in all; the loss is averaged over the ranks.
+//
+// Tensor parallelism: --tp N builds the model as `tessera train` does with parallel.tensor N
+// (models/parallel_lm: column/row-parallel layers, vocab-parallel embedding and head), the
+// world split into world/N data-parallel ranks x N tensor-parallel ones (neighbouring ranks
+// share a tensor group, so one host's GPUs); --batch is then per data-parallel rank (every
+// rank of a tensor group sees the same sequences), gradients are reduced over the data group
+// (DataParallel; --overlap and --no-reduce as above) and clipped by the model's global norm.
+// --sequence-parallel splits the activations between the parallel regions along the tokens;
+// --tp-overlap is parallel.tp_comm_overlap (the column-parallel layers' dx reductions beside
+// their weight-gradient GEMMs). Two H200s, Llama-3.2-1B:
+//
+//   mpirun -np 2 bench_dist_train_step --model llama3.2-1b --device cuda --precision bf16 --batch 4 --seq 2048 \
+//       --tp 2 [--sequence-parallel] [--tp-overlap]
+//
+// mode: "tp2", "tp2-sp", "tp2-overlap", "tp2-sp-overlap" (prefixed "dp<D>-" when D > 1).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -29,6 +44,7 @@
 #include "tessera/dist/data_parallel.h"
 #include "tessera/dist/distributed_optimizer.h"
 #include "tessera/dist/nccl_group.h"
+#include "tessera/dist/runtime.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/train/optimizer.h"
 
@@ -56,7 +72,8 @@ int main(int argc, char** argv) {
   std::string model_json, device = "cpu", precision = "fp32";
   int64_t batch = 4, seq = 256, steps = 10, warmup = 2, vocab = 0;
   size_t bucket_mb = 25;
-  bool zero1 = false, no_reduce = false, overlap = false;
+  bool zero1 = false, no_reduce = false, overlap = false, sequence_parallel = false, tp_overlap = false;
+  int tp = 1;
   app.add_option("--model", model_json, "gpt2-124m, llama3.2-1b, or a model config as JSON")->required();
   app.add_option("--vocab", vocab, "Override the model's vocabulary size");
   app.add_option("--device", device)->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
@@ -71,10 +88,26 @@ int main(int argc, char** argv) {
   app.add_flag("--overlap", overlap,
                "Start each bucket's reduction during the backward, as soon as its gradients are final "
                "(on CUDA on NCCL's own stream, beside the rest of the backward), as the trainer does");
+  app.add_option("--tp", tp, "Tensor-parallel size (the data-parallel size is world / tp)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--sequence-parallel", sequence_parallel, "With --tp: split the activations along the tokens");
+  app.add_flag("--tp-overlap", tp_overlap,
+               "With --tp: overlap the tensor-parallel backward collectives with the weight-gradient GEMMs "
+               "(parallel.tp_comm_overlap)");
   CLI11_PARSE(app, argc, argv);
   try {
     dist::GroupPtr world = dist::init_from_env();
     dist::GroupPtr group = world;
+    const bool tensor_parallel = tp > 1;
+    if ((sequence_parallel || tp_overlap) && !tensor_parallel)
+      throw std::runtime_error("--sequence-parallel and --tp-overlap need --tp 2 or more");
+    if (tensor_parallel && zero1)
+      throw std::runtime_error("--zero1 with --tp: not built into this benchmark (tessera train runs it)");
+    if (world->size() % tp != 0)
+      throw std::runtime_error("--tp " + std::to_string(tp) + " does not divide the " + std::to_string(world->size()) +
+                               " ranks");
+    std::optional<dist::Runtime> rt;  // the data x tensor grid (--tp)
     Context ctx = Context::cpu();
     Stream compute;  // CUDA: a non-blocking stream, as the trainer runs on
     std::optional<StreamGuard> guard;
@@ -88,14 +121,31 @@ int main(int argc, char** argv) {
       compute = Stream::create(Device::cuda(index));
       ctx = compute.context();
       guard.emplace(ctx);
-      group = dist::nccl_group(ctx, *world, index);
+      if (!tensor_parallel) group = dist::nccl_group(ctx, *world, index);
 #else
       throw std::runtime_error("--device cuda: this build has no CUDA backend");
 #endif
     }
     models::ModelConfig config = named_or_json(model_json);
     if (vocab > 0) config.vocab_size = vocab;
-    models::TransformerLM model(config, precision == "bf16" ? DType::BF16 : DType::F32);
+    nn::ParallelContext parallel;
+    if (tensor_parallel) {
+      // As `tessera train` builds its groups (dist/runtime.h): NCCL on CUDA, the host world on the CPU.
+      dist::ParallelConfig pc;
+      pc.tensor = tp;
+      pc.sequence_parallel = sequence_parallel;
+      pc.tp_comm_overlap = tp_overlap;
+      pc.bucket_mb = bucket_mb;
+      rt.emplace(dist::init_from_env(pc, ctx, world));
+      ctx = rt->ctx;
+      parallel = rt->grid->context();
+      group = rt->grid->data;  // the gradient reduction's group
+      if (sequence_parallel && (batch * seq) % tp != 0)
+        throw std::runtime_error("--sequence-parallel needs batch x seq divisible by --tp");
+    }
+    const int data_size = tensor_parallel ? parallel.data_size : world->size();
+    const int data_rank = tensor_parallel ? parallel.data_rank : world->rank();
+    models::TransformerLM model(config, precision == "bf16" ? DType::BF16 : DType::F32, parallel);
     model.to(ctx.device);
     model.init(ctx, 1);
     std::unique_ptr<dist::DataParallel> dp;
@@ -109,14 +159,20 @@ int main(int argc, char** argv) {
       if (overlap)
         model.set_grad_ready_hook([z = sharded.get()](Context& c, nn::Parameter& p) { z->mark_ready(c, p); });
     } else {
-      dp = std::make_unique<dist::DataParallel>(ctx, model.parameters(), group,
-                                                dist::DataParallelOptions{.bucket_bytes = bucket_mb << 20});
-      optimizer = std::make_unique<train::Optimizer>(model.parameters(), train::OptimizerConfig{});
-      if (overlap && !no_reduce)
+      // As the trainer: no data-parallel reduction when the data group is one rank (--tp = world).
+      if (data_size > 1 || !tensor_parallel)
+        dp = std::make_unique<dist::DataParallel>(ctx, model.parameters(), group,
+                                                  dist::DataParallelOptions{.bucket_bytes = bucket_mb << 20});
+      // Tensor parallelism: the optimizer's own norm would be this rank's shards'; clip by the
+      // model's global norm instead, after the reduction, as the trainer does.
+      train::OptimizerConfig oc;
+      if (tensor_parallel) oc.grad_clip = 0;
+      optimizer = std::make_unique<train::Optimizer>(model.parameters(), oc);
+      if (dp && overlap && !no_reduce)
         model.set_grad_ready_hook([d = dp.get()](Context& c, nn::Parameter& p) { d->mark_ready(c, p); });
     }
     Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
-    const uint64_t stream = static_cast<uint64_t>(world->rank());
+    const uint64_t stream = static_cast<uint64_t>(data_rank);  // the same tokens across a tensor group
     for (int64_t i = 0; i < batch * seq; ++i) {
       inputs.data<int32_t>()[i] = static_cast<int32_t>(philox_word(7, stream, 2 * i) % config.vocab_size);
       targets.data<int32_t>()[i] = static_cast<int32_t>(philox_word(7, stream, 2 * i + 1) % config.vocab_size);
@@ -132,8 +188,9 @@ int main(int argc, char** argv) {
       if (sharded) {
         sharded->step(ctx, 1e-4);
       } else {
-        if (overlap && !no_reduce) dp->finish(ctx);
-        else if (!no_reduce) dp->all_reduce_gradients(ctx);
+        if (dp && overlap && !no_reduce) dp->finish(ctx);
+        else if (dp && !no_reduce) dp->all_reduce_gradients(ctx);
+        if (tensor_parallel) model.clip_grad_norm(ctx, train::OptimizerConfig{}.grad_clip);
         optimizer->step(ctx, 1e-4);
       }
       synchronize(ctx);
@@ -152,20 +209,36 @@ int main(int argc, char** argv) {
     std::sort(slowest.begin(), slowest.end());
     const double median = slowest[slowest.size() / 2];
     if (world->rank() == 0) {
+      std::string mode = zero1 ? (overlap ? "dp-zero1-overlap" : "dp-zero1")
+                               : (no_reduce ? "dp-no-reduce" : (overlap ? "dp-overlap" : "dp"));
+      if (tensor_parallel) {
+        mode = (data_size > 1 ? "dp" + std::to_string(data_size) + "-" : std::string()) + "tp" + std::to_string(tp) +
+               (sequence_parallel ? "-sp" : "") + (tp_overlap ? "-overlap" : "");
+        if (data_size > 1 && no_reduce) mode += "-no-reduce";
+        if (data_size > 1 && overlap && !no_reduce) mode += "-dp-overlap";
+      }
       nlohmann::json out = {{"impl", "tessera"},
-                            {"mode", zero1 ? (overlap ? "dp-zero1-overlap" : "dp-zero1") : (no_reduce ? "dp-no-reduce" : (overlap ? "dp-overlap" : "dp"))},
+                            {"mode", mode},
                             {"ranks", world->size()},
-                            {"backend", group->backend()},
+                            {"backend", tensor_parallel ? rt->grid->tensor->backend() : group->backend()},
+                            {"data_parallel", data_size},
+                            {"tensor_parallel", tp},
                             {"device", device},
                             {"precision", precision},
                             {"params", model.num_parameters()},
                             {"batch_per_rank", batch},
                             {"seq", seq},
                             {"median_step_s", median},
-                            {"tokens_per_s_per_rank", double(batch * seq) / median},
-                            {"tokens_per_s", double(batch * seq * world->size()) / median},
+                            // per GPU: the distinct tokens of a step over all ranks (a tensor
+                            // group shares its sequences)
+                            {"tokens_per_s_per_rank", double(batch * seq * data_size) / median / world->size()},
+                            {"tokens_per_s", double(batch * seq * data_size) / median},
                             {"loss", losses.item(0)}};
       if (dp) out["buckets"] = dp->buckets().size();
+      if (tensor_parallel) {  // this rank's shards (with its vocabulary padding rows)
+        out.erase("params");
+        out["params_per_rank"] = model.num_parameters();
+      }
       if (sharded) out["buckets"] = sharded->bucket_parameters().size();
 #if TESSERA_WITH_CUDA
       if (ctx.device.is_cuda())
@@ -173,7 +246,9 @@ int main(int argc, char** argv) {
 #endif
       std::printf("%s\n", out.dump().c_str());
     }
+    dp.reset();
     group.reset();
+    rt.reset();
     world.reset();
     dist::finalize();
   } catch (const std::exception& e) {

@@ -164,6 +164,11 @@ TEST(DistCollectives, AllGatherJoinsInRankOrder) {
       for (int64_t i = 0; i < rows * cols; ++i)
         ASSERT_EQ(got[static_cast<size_t>(r * rows * cols + i)], want[static_cast<size_t>(i)]) << dtype_name(dtype);
     }
+    if (dtype == DType::U8) continue;
+    // The asynchronous form (the CPU backends complete it at once): the same bits.
+    Tensor out_async = Tensor::empty({n * rows, cols}, dtype);
+    world->all_gather_async(ctx, in_t, out_async)->wait();
+    EXPECT_EQ(out_async.to_doubles(), got) << dtype_name(dtype);
   }
 }
 
@@ -357,6 +362,13 @@ TEST(DistCollectives, ParallelConfigReadsTheConfigBlock) {
   EXPECT_TRUE(c.sequence_parallel);
   EXPECT_EQ(c.bucket_mb, 8u);
   EXPECT_EQ(dist::ParallelConfig::from_json(nlohmann::json::object()).data, 0);
+  // tp_comm_overlap: off by default, read, written back.
+  EXPECT_FALSE(c.tp_comm_overlap);
+  const auto overlap =
+      dist::ParallelConfig::from_json(nlohmann::json::parse(R"({"tensor": 2, "tp_comm_overlap": true})"));
+  EXPECT_TRUE(overlap.tp_comm_overlap);
+  EXPECT_TRUE(overlap.to_json().at("tp_comm_overlap").get<bool>());
+  EXPECT_TRUE(dist::ParallelConfig::from_json(overlap.to_json()).tp_comm_overlap);
   auto message = [](const char* text) {
     try {
       dist::ParallelConfig::from_json(nlohmann::json::parse(text));
@@ -369,4 +381,7 @@ TEST(DistCollectives, ParallelConfigReadsTheConfigBlock) {
   EXPECT_NE(message(R"({"tensor": 0})").find("parallel.tensor"), std::string::npos);
   EXPECT_NE(message(R"({"data": "two"})").find("parallel.data"), std::string::npos);
   EXPECT_NE(message(R"({"sequence_parallel": 1})").find("sequence_parallel"), std::string::npos);
+  EXPECT_NE(message(R"({"tp_comm_overlap": "yes"})").find("parallel.tp_comm_overlap"), std::string::npos);
+  // An unknown key's message lists the known ones, tp_comm_overlap among them.
+  EXPECT_NE(message(R"({"tp_overlap": true})").find("tp_comm_overlap"), std::string::npos);
 }

@@ -62,7 +62,8 @@ void check_mlp(const nn::ParallelContext& parallel, const Case& c, int64_t row_b
   mlp.backward_weight(ctx, dy.slice(0, first, first + local).contiguous(), s);
 
   const std::string what = std::string(c.activation == nn::Activation::GELU ? "gelu" : "swiglu") +
-                           (c.sequence_parallel ? " sp" : "") + (c.bias ? " bias" : "") + " tp=" +
+                           (c.sequence_parallel ? " sp" : "") + (c.bias ? " bias" : "") +
+                           (parallel.tp_comm_overlap ? " overlap" : "") + " tp=" +
                            std::to_string(tp) + " rank=" + std::to_string(tr);
   EXPECT_LT(relative_error(doubles_of(y), rows_of(y_ref, first, first + local)), kTolerance) << what;
   EXPECT_LT(relative_error(doubles_of(dx), rows_of(dx_ref, first, first + local)), kTolerance) << what;
@@ -100,9 +101,13 @@ TEST(DistTensorParallel, MlpMatchesTheSingleDeviceModuleWithTensorParallelOverTh
   Context ctx = Context::cpu();
   auto world = test_world();
   dist::ParallelGrid grid(ctx, world, {.data = 1, .tensor = world->size(), .pipeline = 1, .sequence_parallel = true});
+  // And with parallel.tp_comm_overlap: the fc weight gradient accumulated by backward_input,
+  // exactly once (backward_weight leaves it).
+  for (bool overlap : {false, true})
   for (const Case& c : kCases) {
     nn::ParallelContext pc = grid.context();
     pc.sequence_parallel = c.sequence_parallel && pc.tensor_size > 1;
+    pc.tp_comm_overlap = overlap && pc.tensor_size > 1;
     check_mlp(pc, c, 0, 8);
   }
 }
@@ -114,9 +119,11 @@ TEST(DistTensorParallel, DataTimesTensorGridMatchesTheSingleDeviceModule) {
   dist::ParallelGrid grid(ctx, world, {.data = 2, .tensor = 2, .pipeline = 1});
   // Each data rank takes half the rows of the batch; the reference runs on the same half.
   const int64_t half = 4, begin = grid.data_rank() * half;
+  for (bool overlap : {false, true})
   for (const Case& c : kCases) {
     nn::ParallelContext pc = grid.context();
     pc.sequence_parallel = c.sequence_parallel;
+    pc.tp_comm_overlap = overlap;
     check_mlp(pc, c, begin, begin + half);
   }
 }
@@ -151,7 +158,7 @@ void check_attention(const nn::ParallelContext& parallel, const nn::AttentionCon
   const Tensor dx = attn.backward_input(ctx, dy_local, s);
   attn.backward_weight(ctx, dy_local, s);
   const std::string what = std::string(config.rope ? "llama" : "gpt2") + " kv=" + std::to_string(config.num_kv_heads) +
-                           (sp ? " sp" : "") + " tp=" +
+                           (sp ? " sp" : "") + (pc.tp_comm_overlap ? " overlap" : "") + " tp=" +
                            std::to_string(tp) + " rank=" + std::to_string(tr);
   EXPECT_LT(relative_error(doubles_of(y), rows_of(y_ref, first, first + local)), kTolerance) << what;
   EXPECT_LT(relative_error(doubles_of(dx), rows_of(dx_ref, first, first + local)), kTolerance) << what;
@@ -192,11 +199,14 @@ TEST(DistTensorParallel, AttentionWithHeadsSplitMatchesTheSingleDeviceModule) {
                                    .rope_theta = 100.0f};
   const nn::AttentionConfig two_kv{.hidden = 32, .num_heads = 8, .num_kv_heads = 2, .bias = false, .rope = true,
                                    .rope_theta = 100.0f};
+  for (bool overlap : {false, true})  // parallel.tp_comm_overlap (replicated K/V rows included)
   for (bool sp : {false, true}) {
-    check_attention(grid.context(), gpt2, sp);
-    check_attention(grid.context(), llama, sp);
-    check_attention(grid.context(), one_kv, sp);
-    check_attention(grid.context(), two_kv, sp);
+    nn::ParallelContext pc = grid.context();
+    pc.tp_comm_overlap = overlap && pc.tensor_size > 1;
+    check_attention(pc, gpt2, sp);
+    check_attention(pc, llama, sp);
+    check_attention(pc, one_kv, sp);
+    check_attention(pc, two_kv, sp);
   }
   if (world->size() > 1) {
     nn::TensorParallelSelfAttention replicated("attn", one_kv, DType::F32, grid.context());

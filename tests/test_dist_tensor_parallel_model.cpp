@@ -8,6 +8,7 @@
 // including the optimizer moments).
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 
 #include "dist_testing.h"
@@ -183,6 +184,59 @@ TEST(DistTensorParallelModel, AdamWStepsKeepMatching) {
     // carry their relative rounding differences into the weights: 1e-4 after 3 steps (the
     // whole-model F32 gradient tolerance of tests/test_gpu_models.cpp).
     expect_same_tensors(model.full_state_dict(ctx), ref, false, 1e-4, what + " after 3 steps");
+  }
+}
+
+namespace {
+
+// Bit for bit: every element's bits, NaN included.
+void expect_bitwise(const Tensor& got, const Tensor& want, const std::string& what) {
+  const Tensor a = got.to(Device::cpu()).contiguous(), b = want.to(Device::cpu()).contiguous();
+  ASSERT_EQ(a.shape(), b.shape()) << what;
+  ASSERT_EQ(a.dtype(), b.dtype()) << what;
+  EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()), 0) << what << ": not bitwise equal";
+}
+
+}  // namespace
+
+// parallel.tp_comm_overlap changes only the order of independent work (the column-parallel
+// weight gradients beside dx's reduction, the LM head's last weight-gradient GEMM beside
+// d_h's): the losses and every gradient (this rank's shards) bit for bit against it off.
+// TP = the world size (1, 2, 4: K/V heads split at 2, replicated at 4), with and without
+// sequence parallelism, F32 and BF16, two accumulating steps and a third after zero_grad.
+TEST(DistTensorParallelModel, CommunicationOverlapIsBitIdentical) {
+  Context ctx = Context::cpu();
+  auto world = test_world();
+  for (bool sp : {false, true})
+  for (DType dtype : {DType::F32, DType::BF16})
+  for (const ModelConfig& config : {tiny_gpt2(), tiny_llama(false), tiny_llama(true)}) {
+    dist::ParallelGrid grid(ctx, world, {.data = 1, .tensor = world->size(), .pipeline = 1, .sequence_parallel = sp});
+    nn::ParallelContext off = grid.context();
+    // The config key reaches the layers through the grid's context (as in `tessera train`);
+    // a tensor size of 1 has nothing to overlap and leaves it off.
+    dist::ParallelGrid overlapped(ctx, world, {.data = 1, .tensor = world->size(), .pipeline = 1,
+                                               .sequence_parallel = sp, .tp_comm_overlap = true});
+    const nn::ParallelContext on = overlapped.context();
+    EXPECT_EQ(on.tp_comm_overlap, world->size() > 1);
+    EXPECT_FALSE(off.tp_comm_overlap);
+    const std::string what = describe(config, on, dtype) + " overlap";
+    TransformerLM a(config, dtype, off), b(config, dtype, on);
+    a.init(ctx, 29);
+    b.init(ctx, 29);
+    for (int step = 0; step < 3; ++step) {
+      if (step == 2) {
+        a.zero_grad();
+        b.zero_grad();
+      }
+      const auto [inputs, targets] = batch(40 + step, config.vocab_size);
+      const double want = a.forward_backward(ctx, inputs, targets, 0.5f);
+      const double got = b.forward_backward(ctx, inputs, targets, 0.5f);
+      EXPECT_EQ(got, want) << what << " step " << step;
+      const nn::ParameterList pa = a.parameters(), pb = b.parameters();
+      ASSERT_EQ(pa.size(), pb.size());
+      for (size_t i = 0; i < pa.size(); ++i)
+        expect_bitwise(pb[i]->grad, pa[i]->grad, what + " step " + std::to_string(step) + " gradient of " + pa[i]->name);
+    }
   }
 }
 

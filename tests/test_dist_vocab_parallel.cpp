@@ -139,6 +139,50 @@ TEST(DistVocabParallel, HeadAndEmbeddingMatchTheSingleDeviceOps) {
   for (int64_t vocab : {13, 5, 16})
     for (bool sp : {false, true})
       for (bool tied : {true, false}) check_head(grid.context(), vocab, sp, tied);
+  // parallel.tp_comm_overlap: each chunk's weight-gradient GEMM deferred, the last beside d_h's
+  // reduction (4 chunks of 3 rows, one without a valid target).
+  nn::ParallelContext overlap = grid.context();
+  overlap.tp_comm_overlap = world->size() > 1;
+  for (bool sp : {false, true}) check_head(overlap, 13, sp, false);
+}
+
+// The head with communication overlap against without: loss, d_h and the weight gradient
+// (accumulated over two calls) bit for bit, F32 and BF16, with and without sequence
+// parallelism, chunks of 3 (one with no valid target) and one chunk.
+TEST(DistVocabParallel, HeadWithCommOverlapIsBitIdentical) {
+  Context ctx = Context::cpu();
+  auto world = test_world();
+  dist::ParallelGrid grid(ctx, world, {.data = 1, .tensor = world->size(), .pipeline = 1});
+  const int64_t vocab = 13, hidden = 8, n = 12;
+  const int tp = world->size();
+  for (DType dtype : {DType::F32, DType::BF16})
+  for (int64_t chunk : {3, 1024})
+  for (bool sp : {false, true}) {
+    nn::ParallelContext off = grid.context();
+    off.sequence_parallel = sp && tp > 1;
+    nn::ParallelContext on = off;
+    on.tp_comm_overlap = tp > 1;
+    const std::string what = std::string(dtype_name(dtype)) + " chunk " + std::to_string(chunk) + (sp ? " sp" : "");
+    const Tensor w_full = random_tensor({vocab, hidden}, dtype, 61, -0.8f, 0.8f);
+    const Tensor targets = targets_with_ignores(n, vocab, 62);
+    const int64_t local = off.sequence_parallel ? n / tp : n, first = off.sequence_parallel ? world->rank() * local : 0;
+    const Tensor h = random_tensor({n, hidden}, dtype, 63, -1.5f, 1.5f).slice(0, first, first + local).contiguous();
+    nn::VocabParallelEmbedding ta("lm_head.weight", vocab, hidden, dtype, off), tb("lm_head.weight", vocab, hidden, dtype, on);
+    ta.load_full(ctx, w_full);
+    tb.load_full(ctx, w_full);
+    EXPECT_EQ(tb.comm_overlap(), tp > 1);
+    nn::VocabParallelLMHead ha(ta, chunk), hb(tb, chunk);
+    for (int call = 0; call < 2; ++call) {
+      Tensor da = Tensor::empty(h.shape(), dtype), db = Tensor::empty(h.shape(), dtype);
+      poison(da);
+      poison(db);
+      const double la = ha.loss(ctx, h, targets, &da, 0.5f, kIgnore).read();
+      const double lb = hb.loss(ctx, h, targets, &db, 0.5f, kIgnore).read();
+      EXPECT_EQ(lb, la) << what;
+      EXPECT_EQ(doubles_of(db), doubles_of(da)) << what << " d_h";
+      EXPECT_EQ(doubles_of(tb.padded_grad()), doubles_of(ta.padded_grad())) << what << " weight gradient";
+    }
+  }
 }
 
 TEST(DistVocabParallel, CrossEntropyInputGradientMatchesFiniteDifferences) {

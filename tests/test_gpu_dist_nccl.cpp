@@ -1,5 +1,6 @@
 // The NCCL backend on CUDA tensors: collectives against a serial reference, sub-groups,
-// data-parallel gradient averaging and the tensor-parallel MLP. Skips without a GPU or
+// data-parallel gradient averaging, the tensor-parallel MLP and a tensor-parallel model with
+// communication overlap on and off. Skips without a GPU or
 // without NCCL. Alone it runs a world of one; under mpirun each rank takes GPU
 // (rank % device count), the MPI world bootstrapping the communicator:
 //   mpirun -np 2 build/test_gpu_dist_nccl
@@ -9,6 +10,7 @@
 #include "tessera/dist/distributed_optimizer.h"
 #include "tessera/dist/nccl_group.h"
 #include "tessera/dist/parallel_grid.h"
+#include "tessera/models/transformer_lm.h"
 #include "tessera/nn/parallel_linear.h"
 #include "tessera/core/stream.h"
 #include "tessera/ops/elementwise.h"
@@ -275,6 +277,28 @@ TEST(GpuNccl, AsyncReduceScatterIsOrderedWithTheCallersStream) {
   EXPECT_LT(relative_error(doubles_of(out), want), 1e-6);
 }
 
+// all_gather_async (sequence parallelism's dy gather under tp_comm_overlap): the same
+// ordering, BF16 rows gathered exactly in rank order.
+TEST(GpuNccl, AsyncAllGatherIsOrderedWithTheCallersStream) {
+  REQUIRE_NCCL();
+  auto g = nccl_world();
+  const int n = g->size();
+  Stream stream = Stream::create(Device::cuda(my_device()));
+  Context ctx = stream.context();
+  StreamGuard guard(ctx);
+  const int64_t rows = 513, cols = 64;
+  Tensor in = Tensor::empty({rows, cols}, DType::BF16, ctx.device);
+  Tensor out = Tensor::empty({rows * n, cols}, DType::BF16, ctx.device);
+  in.copy_from(rank_values(g->rank(), {rows, cols}, DType::BF16, 37));
+  scale(ctx, in, 2.0f, in);  // the producer, queued just before (exact in BF16)
+  auto work = g->all_gather_async(ctx, in, out);
+  work->wait();
+  scale(ctx, out, 0.5f, out);  // the consumer, queued just after
+  for (int r = 0; r < n; ++r)
+    EXPECT_EQ(doubles_of(out.slice(0, r * rows, (r + 1) * rows)), doubles_of(rank_values(r, {rows, cols}, DType::BF16, 37)))
+        << "rank " << r << "'s rows";
+}
+
 // ZeRO-1 on NCCL: buckets reduce-scattered as their parameters are marked ready (on the
 // communication stream) give the same bits as the reduction inside step().
 TEST(GpuNccl, DistributedOptimizerOverlappedEqualsAfterBackward) {
@@ -311,4 +335,58 @@ TEST(GpuNccl, DistributedOptimizerOverlappedEqualsAfterBackward) {
     EXPECT_EQ(na, nb) << "step " << step;
   }
   for (int i = 0; i < 5; ++i) EXPECT_EQ(bytes_of(pa[size_t(i)]->value), bytes_of(pb[size_t(i)]->value)) << "p" << i;
+}
+
+// parallel.tp_comm_overlap on NCCL: the column-parallel layers' dx reductions (and the LM
+// head's d_h one) run on the tensor group's communication stream beside the weight-gradient
+// GEMMs, ordered with the compute stream by events only. The loss and every gradient must
+// equal those with it off bit for bit (the same kernels and collectives on the same data).
+// A tiny Llama (GQA: K/V split at TP 2, replicated at TP 4), TP = the world size, with and
+// without sequence parallelism, F32 and BF16, two accumulating steps. A world of one runs
+// the unsplit layers (nothing to overlap) and must still agree.
+TEST(GpuNccl, TensorParallelCommOverlapIsBitIdentical) {
+  REQUIRE_NCCL();
+  auto g = nccl_world();
+  Stream stream = Stream::create(Device::cuda(my_device()));  // non-blocking, as the trainer's
+  Context ctx = stream.context();
+  StreamGuard guard(ctx);
+  models::ModelConfig c;
+  c.architecture = "llama";
+  c.vocab_size = 67;  // not a multiple of the tensor size: padded rows
+  c.hidden_size = 256;  // head size 64: the fast attention kernels in BF16
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.intermediate_size = 384;
+  c.max_seq_len = 32;
+  c.tie_embeddings = false;
+  const int64_t batch = 2, seq = 16;
+  for (bool sp : {false, true})
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    dist::ParallelGrid grid(ctx, g, {.data = 1, .tensor = g->size(), .pipeline = 1, .sequence_parallel = sp});
+    nn::ParallelContext off = grid.context(), on = grid.context();
+    on.tp_comm_overlap = g->size() > 1;
+    const std::string what = std::string(dtype_name(dtype)) + (sp ? " sp" : "") + " tp " + std::to_string(g->size());
+    models::TransformerLM a(c, dtype, off), b(c, dtype, on);
+    for (models::TransformerLM* m : {&a, &b}) {
+      m->to(ctx.device);
+      m->init(ctx, 5);
+    }
+    for (int step = 0; step < 2; ++step) {
+      std::vector<int64_t> in, tg;
+      for (int64_t i = 0; i < batch * seq; ++i) {
+        in.push_back((i * 7 + step * 3) % c.vocab_size);
+        tg.push_back((i * 11 + step * 5 + 1) % c.vocab_size);
+      }
+      const Tensor inputs = Tensor::from_ints(in, {batch, seq}), targets = Tensor::from_ints(tg, {batch, seq});
+      const double want = a.forward_backward(ctx, inputs, targets);
+      const double got = b.forward_backward(ctx, inputs, targets);
+      EXPECT_TRUE(std::isfinite(got)) << what;
+      EXPECT_EQ(got, want) << what << " step " << step;
+      const nn::ParameterList pa = a.parameters(), pb = b.parameters();
+      ASSERT_EQ(pa.size(), pb.size());
+      for (size_t i = 0; i < pa.size(); ++i)
+        EXPECT_EQ(bytes_of(pb[i]->grad), bytes_of(pa[i]->grad)) << what << " step " << step << " " << pa[i]->name;
+    }
+  }
 }

@@ -150,6 +150,15 @@ class NcclGroup final : public ProcessGroup {
                                            nccl_type(in.dtype(), "reduce_scatter"), nccl_op(op), comm_, comm));
     });
   }
+  std::unique_ptr<Work> all_gather_async(Context& ctx, const Tensor& in, Tensor& out) override {
+    check(ctx, in, "all_gather_async", "in");
+    check(ctx, out, "all_gather_async", "out");
+    TESSERA_CHECK(in.dtype() == out.dtype() && out.numel() == in.numel() * size_, "all_gather_async: out ",
+                  out.describe(), " must hold ", size_, " x in ", in.describe());
+    return on_comm_stream(ctx, "all_gather", [&](cudaStream_t comm) {
+      TESSERA_NCCL_CHECK(ncclAllGather(in.raw_data(), out.raw_data(), in.nbytes(), ncclUint8, comm_, comm));
+    });
+  }
   void reduce_scatter(Context& ctx, const Tensor& in, Tensor& out, ReduceOp op) override {
     check(ctx, in, "reduce_scatter", "in");
     check(ctx, out, "reduce_scatter", "out");

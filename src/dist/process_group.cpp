@@ -40,6 +40,11 @@ std::unique_ptr<Work> ProcessGroup::reduce_scatter_async(Context& ctx, const Ten
   return std::make_unique<Work>();
 }
 
+std::unique_ptr<Work> ProcessGroup::all_gather_async(Context& ctx, const Tensor& in, Tensor& out) {
+  all_gather(ctx, in, out);
+  return std::make_unique<Work>();
+}
+
 std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
   int position = -1;
   std::vector<bool> seen(static_cast<size_t>(size_), false);
@@ -269,11 +274,13 @@ ParallelConfig ParallelConfig::from_json(const nlohmann::json& j) {
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& key = it.key();
     const nlohmann::json& v = it.value();
-    if (key == "sequence_parallel" || key == "distributed_optimizer" || key == "overlap_grad_reduce") {
+    if (key == "sequence_parallel" || key == "distributed_optimizer" || key == "overlap_grad_reduce" ||
+        key == "tp_comm_overlap") {
       TESSERA_CHECK(v.is_boolean(), "parallel.", key, ": expected true or false, got ", safe_dump(v));
       (key == "sequence_parallel"       ? c.sequence_parallel
        : key == "distributed_optimizer" ? c.distributed_optimizer
-                                        : c.overlap_grad_reduce) = v.get<bool>();
+       : key == "overlap_grad_reduce"   ? c.overlap_grad_reduce
+                                        : c.tp_comm_overlap) = v.get<bool>();
       continue;
     }
     if (key == "timeout_s") {
@@ -284,7 +291,7 @@ ParallelConfig ParallelConfig::from_json(const nlohmann::json& j) {
     }
     TESSERA_CHECK(key == "data" || key == "tensor" || key == "pipeline" || key == "bucket_mb", "parallel: unknown key \"",
                   key, "\" (known: data, tensor, pipeline, sequence_parallel, bucket_mb, distributed_optimizer, timeout_s, ",
-                  "overlap_grad_reduce)");
+                  "overlap_grad_reduce, tp_comm_overlap)");
     // data 0: what is left; bucket_mb 0: a bucket per parameter.
     const int64_t least = key == "data" || key == "bucket_mb" ? 0 : 1;
     TESSERA_CHECK(v.is_number_integer() && v.get<int64_t>() >= least && v.get<int64_t>() <= 1 << 20, "parallel.", key,
@@ -302,14 +309,16 @@ nlohmann::json ParallelConfig::to_json() const {
   return {{"data", data},           {"tensor", tensor},
           {"pipeline", pipeline},   {"sequence_parallel", sequence_parallel},
           {"bucket_mb", bucket_mb}, {"distributed_optimizer", distributed_optimizer},
-          {"timeout_s", timeout_s}, {"overlap_grad_reduce", overlap_grad_reduce}};
+          {"timeout_s", timeout_s}, {"overlap_grad_reduce", overlap_grad_reduce},
+          {"tp_comm_overlap", tp_comm_overlap}};
 }
 
 ParallelGrid::ParallelGrid(Context& ctx, GroupPtr world_, const ParallelConfig& config)
     : world(std::move(world_)),
       tensor_(config.tensor),
       pipeline_(config.pipeline),
-      sequence_parallel_(config.sequence_parallel) {
+      sequence_parallel_(config.sequence_parallel),
+      tp_comm_overlap_(config.tp_comm_overlap) {
   TESSERA_CHECK(world != nullptr, "ParallelGrid: no world group");
   const int n = world->size();
   TESSERA_CHECK(tensor_ >= 1 && pipeline_ >= 1 && config.data >= 0, "ParallelGrid: sizes must be positive, got data ",
@@ -323,7 +332,8 @@ ParallelGrid::ParallelGrid(Context& ctx, GroupPtr world_, const ParallelConfig& 
   h = hash_bytes(&tensor_, sizeof tensor_, h);
   h = hash_bytes(&pipeline_, sizeof pipeline_, h);
   h = hash_bytes(&sequence_parallel_, sizeof sequence_parallel_, h);
-  check_consistent(ctx, *world, h, "the parallel layout (data, tensor, pipeline, sequence_parallel)");
+  h = hash_bytes(&tp_comm_overlap_, sizeof tp_comm_overlap_, h);
+  check_consistent(ctx, *world, h, "the parallel layout (data, tensor, pipeline, sequence_parallel, tp_comm_overlap)");
 
   const int r = world->rank();
   tensor_rank_ = r % tensor_;
@@ -348,6 +358,7 @@ nn::ParallelContext ParallelGrid::context() const {
   p.pipeline_size = pipeline_;
   p.pipeline_rank = pipeline_rank_;
   p.sequence_parallel = sequence_parallel_ && tensor_ > 1;
+  p.tp_comm_overlap = tp_comm_overlap_ && tensor_ > 1;
   p.data_group = data;
   p.tensor_group = tensor;
   p.pipeline_group = pipeline;

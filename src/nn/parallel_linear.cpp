@@ -27,12 +27,17 @@ Tensor gather_rows(Context& ctx, dist::ProcessGroup& group, const Tensor& local)
   return full;
 }
 
-Tensor reduce_scatter_rows(Context& ctx, dist::ProcessGroup& group, const Tensor& full, const char* what) {
+// The [n/tp, ...] output of a reduce-scatter of `full` along rows.
+Tensor scattered_rows(Context& ctx, dist::ProcessGroup& group, const Tensor& full, const char* what) {
   TESSERA_CHECK(full.size(0) % group.size() == 0, what, ": sequence parallelism needs rows (", full.size(0),
                 ") divisible by the tensor-parallel size ", group.size());
   Shape shape = full.shape();
   shape[0] /= group.size();
-  Tensor local = Tensor::empty(shape, full.dtype(), ctx.device);
+  return Tensor::empty(shape, full.dtype(), ctx.device);
+}
+
+Tensor reduce_scatter_rows(Context& ctx, dist::ProcessGroup& group, const Tensor& full, const char* what) {
+  Tensor local = scattered_rows(ctx, group, full, what);
   group.reduce_scatter(ctx, full, local);
   return local;
 }
@@ -76,6 +81,7 @@ ColumnParallelLinear::ColumnParallelLinear(const std::string& name, int64_t in_f
       rank_(parallel.tensor_rank),
       blocks_(blocks),
       sequence_parallel_(parallel.sequence_parallel && parallel.tensor_size > 1),
+      overlap_(parallel.tp_comm_overlap && parallel.tensor_size > 1),
       group_(tensor_group_of(parallel, name)) {
   TESSERA_CHECK(in_features > 0 && !blocks.empty(), "ColumnParallelLinear ", name, ": bad sizes");
   for (Block& b : blocks_) {
@@ -142,16 +148,39 @@ Tensor ColumnParallelLinear::forward(Context& ctx, const Tensor& x, Saved& saved
   return y;
 }
 
-Tensor ColumnParallelLinear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const {
+Tensor ColumnParallelLinear::backward_input(Context& ctx, const Tensor& dy, Saved& saved) {
   Tensor dx = Tensor::empty({saved.x.size(0), in_}, weight.value.dtype(), ctx.device);
   gemm(ctx, dy, weight.value, dx);  // this rank's share of dx: its output features' part
   if (tp_ == 1) return dx;
-  if (sequence_parallel_) return reduce_scatter_rows(ctx, *group_, dx, weight.name.c_str());
-  group_->all_reduce(ctx, dx);
-  return dx;
+  if (!overlap_) {
+    if (sequence_parallel_) return reduce_scatter_rows(ctx, *group_, dx, weight.name.c_str());
+    group_->all_reduce(ctx, dx);
+    return dx;
+  }
+  TESSERA_CHECK(!saved.weight_grad_done, "ColumnParallelLinear ", weight.name,
+                ": backward_input ran twice without backward_weight in between");
+  // The reduction of dx runs (NCCL: on the group's communication stream) while this stream
+  // computes the weight gradient, which needs only dy and x. dx (and out) stay alive and
+  // untouched here until the wait.
+  Tensor out = dx;
+  std::unique_ptr<dist::Work> work;
+  if (sequence_parallel_) {
+    out = scattered_rows(ctx, *group_, dx, weight.name.c_str());
+    work = group_->reduce_scatter_async(ctx, dx, out);
+  } else {
+    work = group_->all_reduce_async(ctx, dx);
+  }
+  linear_weight_grad(ctx, dy, saved.x, weight.grad, bias.grad);
+  saved.weight_grad_done = true;
+  work->wait();
+  return out;
 }
 
-void ColumnParallelLinear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+void ColumnParallelLinear::backward_weight(Context& ctx, const Tensor& dy, Saved& saved) {
+  if (saved.weight_grad_done) {  // accumulated by backward_input, beside dx's reduction
+    saved.weight_grad_done = false;
+    return;
+  }
   linear_weight_grad(ctx, dy, saved.x, weight.grad, bias.grad);
 }
 
@@ -169,6 +198,7 @@ RowParallelLinear::RowParallelLinear(const std::string& name, int64_t in_feature
       tp_(parallel.tensor_size),
       rank_(parallel.tensor_rank),
       sequence_parallel_(parallel.sequence_parallel && parallel.tensor_size > 1),
+      overlap_(parallel.tp_comm_overlap && parallel.tensor_size > 1),
       group_(tensor_group_of(parallel, name)) {
   TESSERA_CHECK(in_features > 0 && out_features > 0, "RowParallelLinear ", name, ": bad sizes");
   check_divisible(in_features, tp_, name, "in_features");
@@ -207,14 +237,30 @@ Tensor RowParallelLinear::forward(Context& ctx, const Tensor& x, Saved& saved) c
   return y;
 }
 
+std::unique_ptr<dist::Work> RowParallelLinear::start_gather_dy(Context& ctx, const Tensor& dy, Saved& saved) const {
+  TESSERA_CHECK(sequence_parallel_, "RowParallelLinear ", weight.name, ": start_gather_dy needs sequence parallelism");
+  TESSERA_CHECK(dy.is_contiguous(), "RowParallelLinear ", weight.name, ": start_gather_dy needs a contiguous dy");
+  Shape shape = dy.shape();
+  shape[0] *= group_->size();
+  saved.dy_full = Tensor::empty(shape, dy.dtype(), ctx.device);
+  saved.dy_gathered = true;
+  return group_->all_gather_async(ctx, dy, saved.dy_full);
+}
+
 Tensor RowParallelLinear::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
-  const Tensor& full = sequence_parallel_ ? (saved.dy_full = gather_rows(ctx, *group_, dy)) : dy;
+  if (sequence_parallel_ && !saved.dy_gathered) saved.dy_full = gather_rows(ctx, *group_, dy);
+  saved.dy_gathered = false;
+  const Tensor& full = sequence_parallel_ ? saved.dy_full : dy;
   Tensor dx = Tensor::empty({full.size(0), in_ / tp_}, weight.value.dtype(), ctx.device);
   gemm(ctx, full, weight.value, dx);
   return dx;
 }
 
-void RowParallelLinear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+void RowParallelLinear::backward_weight(Context& ctx, const Tensor& dy, Saved& saved) {
+  if (saved.weight_grad_done) {
+    saved.weight_grad_done = false;
+    return;
+  }
   Tensor full = dy;
   if (sequence_parallel_) full = saved.dy_full.defined() ? saved.dy_full : gather_rows(ctx, *group_, dy);
   linear_weight_grad(ctx, full, saved.x, weight.grad, bias.grad);
@@ -245,7 +291,7 @@ Tensor TensorParallelMLP::forward(Context& ctx, const Tensor& x, Saved& saved) c
   return proj.forward(ctx, h, saved.proj_in);
 }
 
-Tensor TensorParallelMLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
+Tensor TensorParallelMLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) {
   const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
   saved.d_h_pre = Tensor::empty(saved.h_pre.shape(), d_h.dtype(), ctx.device);
   if (activation == Activation::GELU) {
@@ -335,10 +381,24 @@ Tensor TensorParallelSelfAttention::forward(Context& ctx, const Tensor& x, int64
   return proj.forward(ctx, out, saved.out_in);
 }
 
-Tensor TensorParallelSelfAttention::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
+Tensor TensorParallelSelfAttention::backward_input(Context& ctx, const Tensor& dy, Saved& saved) {
   const Tensor d_out = proj.backward_input(ctx, dy, saved.out_in);
   attention_core_backward(ctx, config_, d_out, local_heads_, local_kv_heads_, saved);
+  // With overlap the QKV projection accumulates its weight gradient here, so replicated K/V
+  // rows are set aside first (see backward_weight).
+  if (kv_group_ && qkv.comm_overlap()) set_aside_kv_grads(saved);
   return qkv.backward_input(ctx, saved.d_qkv, saved.qkv_in);
+}
+
+void TensorParallelSelfAttention::set_aside_kv_grads(Saved& saved) {
+  const int64_t d = config_.hidden / config_.num_heads, kv0 = local_heads_ * d, kv1 = kv0 + 2 * local_kv_heads_ * d;
+  std::vector<Tensor> kv_grads{qkv.weight.grad.slice(0, kv0, kv1)};
+  if (qkv.bias.value.defined()) kv_grads.push_back(qkv.bias.grad.slice(0, kv0, kv1));
+  saved.kv_earlier.clear();
+  for (Tensor& g : kv_grads) {
+    saved.kv_earlier.push_back(g.clone());
+    g.fill_zero();
+  }
 }
 
 void TensorParallelSelfAttention::backward_weight(Context& ctx, const Tensor& dy, Saved& saved) {
@@ -349,20 +409,20 @@ void TensorParallelSelfAttention::backward_weight(Context& ctx, const Tensor& dy
   }
   // A replicated K/V head's weight gradient is the sum of what each sharing rank's query
   // heads contribute. The gradient accumulates over micro-batches, so only this call's part
-  // is summed: the rows' earlier value is set aside and added back.
+  // is summed: the rows' earlier value is set aside (here, or by backward_input under
+  // communication overlap) and added back.
+  if (!saved.qkv_in.weight_grad_done) set_aside_kv_grads(saved);
+  qkv.backward_weight(ctx, saved.d_qkv, saved.qkv_in);
   const int64_t d = config_.hidden / config_.num_heads, kv0 = local_heads_ * d, kv1 = kv0 + 2 * local_kv_heads_ * d;
   std::vector<Tensor> kv_grads{qkv.weight.grad.slice(0, kv0, kv1)};
   if (qkv.bias.value.defined()) kv_grads.push_back(qkv.bias.grad.slice(0, kv0, kv1));
-  std::vector<Tensor> earlier;
-  for (Tensor& g : kv_grads) {
-    earlier.push_back(g.clone());
-    g.fill_zero();
-  }
-  qkv.backward_weight(ctx, saved.d_qkv, saved.qkv_in);
+  TESSERA_CHECK(saved.kv_earlier.size() == kv_grads.size(), "TensorParallelSelfAttention ", qkv.weight.name,
+                ": the K/V gradients were not set aside");
   for (size_t i = 0; i < kv_grads.size(); ++i) {
     kv_group_->all_reduce(ctx, kv_grads[i]);
-    add(ctx, kv_grads[i], earlier[i], kv_grads[i]);
+    add(ctx, kv_grads[i], saved.kv_earlier[i], kv_grads[i]);
   }
+  saved.kv_earlier.clear();
 }
 
 void TensorParallelSelfAttention::parameters(ParameterList& out) {

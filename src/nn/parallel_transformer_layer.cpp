@@ -1,6 +1,8 @@
 // The tensor-parallel Transformer block (see tessera/nn/parallel_transformer_layer.h).
 #include "tessera/nn/parallel_transformer_layer.h"
 
+#include "tessera/dist/process_group.h"
+
 namespace tessera::nn {
 namespace {
 
@@ -44,6 +46,15 @@ TensorParallelTransformerLayer::Output TensorParallelTransformerLayer::forward(C
 Tensor TensorParallelTransformerLayer::backward_input(Context& ctx, const Tensor& dy, Saved& saved) {
   const Tensor d_ffn_in = mlp.backward_input(ctx, dy, saved.mlp);
   saved.d_x1 = norm2.backward_input_add(ctx, d_ffn_in, dy, saved.norm2);
+  if (attn.proj.comm_overlap() && attn.proj.sequence_parallel()) {
+    // Communication overlap: the attention's all-gather of its dy runs beside the MLP's
+    // row-parallel weight gradient (it needs only the MLP's gathered dy and saved input),
+    // which backward_weight then skips. The same GEMM on the same data: bit-identical.
+    std::unique_ptr<dist::Work> work = attn.proj.start_gather_dy(ctx, saved.d_x1, saved.attn.out_in);
+    mlp.proj.backward_weight(ctx, dy, saved.mlp.proj_in);
+    saved.mlp.proj_in.weight_grad_done = true;
+    work->wait();
+  }
   return norm1.backward_input_add(ctx, attn.backward_input(ctx, saved.d_x1, saved.attn), saved.d_x1, saved.norm1);
 }
 

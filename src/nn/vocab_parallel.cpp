@@ -69,6 +69,7 @@ VocabParallelEmbedding::VocabParallelEmbedding(const std::string& name, int64_t 
                                                const ParallelContext& parallel)
     : shard_(vocab, parallel.tensor_size, parallel.tensor_rank),
       sequence_parallel_(parallel.sequence_parallel && parallel.tensor_size > 1),
+      overlap_(parallel.tp_comm_overlap && parallel.tensor_size > 1),
       group_(tensor_group(parallel, name)) {
   TESSERA_CHECK(hidden > 0, "VocabParallelEmbedding ", name, ": hidden size must be positive");
   weight = Parameter(name, {shard_.rows, hidden}, dtype, true);
@@ -224,6 +225,16 @@ VocabParallelLMHead::Loss VocabParallelLMHead::loss(Context& ctx, const Tensor& 
   // loss is their sum with the weights below, taken in double on the host by read(); on the
   // device nothing is scaled, so an F64 model keeps every bit.
   const int64_t slots = tp + 1;
+  // Communication overlap: each chunk's weight-gradient GEMM is deferred to the start of the
+  // next chunk with valid targets (the same GEMMs accumulating in the same order, no more
+  // logits alive at once), so the last one runs beside d_h's reduction.
+  const bool overlap = d_h && tp > 1 && table_.comm_overlap();
+  Tensor pending_logits, pending_h;
+  auto flush_weight_grad = [&] {
+    if (!pending_logits.defined()) return;
+    gemm(ctx, pending_logits, pending_h, grad, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
+    pending_logits = pending_h = Tensor();
+  };
   Tensor chunk_losses = Tensor::zeros({num_chunks * slots}, stats, ctx.device);
   std::vector<double> weights(static_cast<size_t>(num_chunks * slots), 0.0);
   for (int64_t c = 0; c < num_chunks; ++c) {
@@ -238,6 +249,7 @@ VocabParallelLMHead::Loss VocabParallelLMHead::loss(Context& ctx, const Tensor& 
     for (int r = 0; r < tp; ++r)
       weights[static_cast<size_t>(c * slots + 1 + r)] =
           chunk_weight * double(chunk_owned[static_cast<size_t>(c * tp + r)]) / double(n_valid);
+    flush_weight_grad();
     const Tensor h_chunk = h_full.slice(0, r0, r1);
     Tensor logits = Tensor::empty({n, padded}, dtype, ctx.device);
     gemm(ctx, h_chunk, w, logits, {.transpose_b = true}, mask_bias_);
@@ -260,16 +272,26 @@ VocabParallelLMHead::Loss VocabParallelLMHead::loss(Context& ctx, const Tensor& 
     cross_entropy_backward(ctx, logits, t_bwd.slice(0, r0, r1), lse, static_cast<float>(chunk_weight * scale_by), logits,
                            {.ignore_index = ignore_index});
     Tensor d_h_chunk = d_h_full.slice(0, r0, r1);
-    gemm(ctx, logits, w, d_h_chunk);                                       // dh = dlogits W
-    gemm(ctx, logits, h_chunk, grad, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
+    gemm(ctx, logits, w, d_h_chunk);  // dh = dlogits W
+    pending_logits = logits;
+    pending_h = h_chunk;
+    if (!overlap) flush_weight_grad();
   }
   if (d_h && tp > 1) {
-    if (sp) {
+    if (overlap) {
+      // d_h_full / *d_h stay alive and untouched until the wait; the GEMM reads only the
+      // last chunk's logits and h.
+      std::unique_ptr<dist::Work> work =
+          sp ? group.reduce_scatter_async(ctx, d_h_full, *d_h) : group.all_reduce_async(ctx, *d_h);
+      flush_weight_grad();
+      work->wait();
+    } else if (sp) {
       group.reduce_scatter(ctx, d_h_full, *d_h);
     } else {
       group.all_reduce(ctx, *d_h);
     }
   }
+  flush_weight_grad();
   return {chunk_losses, weights};
 }
 

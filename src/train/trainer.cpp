@@ -336,8 +336,9 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
                   : !c.training.parallel.overlap_grad_reduce ? "gradients all-reduced after backward"
                                                              : "gradients all-reduced during backward");
     if (tensor_parallel)
-      std::printf("train: tensor parallel x %d%s: this rank holds %lld parameters\n", dist_run.tensor_size(),
+      std::printf("train: tensor parallel x %d%s%s: this rank holds %lld parameters\n", dist_run.tensor_size(),
                   c.training.parallel.sequence_parallel ? " with sequence parallelism" : "",
+                  c.training.parallel.tp_comm_overlap ? " (communication overlapped)" : "",
                   static_cast<long long>(model.num_parameters()));
     if (fp8_state)
       std::printf("train: FP8 (%s scaling) in %lld linear layers of the blocks\n", c.fp8->name().c_str(),

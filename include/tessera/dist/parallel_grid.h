@@ -6,7 +6,7 @@
 // The config block it reads (training.parallel in a YAML config):
 //   parallel: {data: 2, tensor: 2, pipeline: 1, sequence_parallel: true,
 //              distributed_optimizer: false, timeout_s: 300, bucket_mb: 25,
-//              overlap_grad_reduce: true}
+//              overlap_grad_reduce: true, tp_comm_overlap: false}
 // data may be 0 ("whatever is left": world / (tensor * pipeline)).
 #pragma once
 
@@ -28,6 +28,11 @@ struct ParallelConfig {
   // The trainer starts each gradient bucket's reduction during backward, as soon as its
   // parameters' gradients are final (false: all buckets after the whole backward).
   bool overlap_grad_reduce = true;
+  // The tensor-parallel layers overlap their backward collectives (the input gradient's
+  // all-reduce / reduce-scatter) with the weight-gradient GEMMs that do not need them, and
+  // the vocab-parallel LM head its d_h reduction with its last weight-gradient GEMM. The
+  // results are bit-identical either way; only the order of independent work changes.
+  bool tp_comm_overlap = false;
 
   // From the training.parallel block; unknown keys and bad values are errors naming the key.
   static ParallelConfig from_json(const nlohmann::json& j);
@@ -59,6 +64,7 @@ class ParallelGrid {
   int data_ = 1, tensor_ = 1, pipeline_ = 1;
   int data_rank_ = 0, tensor_rank_ = 0, pipeline_rank_ = 0;
   bool sequence_parallel_ = false;
+  bool tp_comm_overlap_ = false;
 };
 
 }  // namespace tessera::dist

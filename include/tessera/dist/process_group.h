@@ -78,6 +78,9 @@ class ProcessGroup {
   // `in` unwritten and `out` unread until wait().
   virtual std::unique_ptr<Work> reduce_scatter_async(Context& ctx, const Tensor& in, Tensor& out,
                                                      ReduceOp op = ReduceOp::Sum);
+  // The same for all_gather (sequence parallelism's gather of dy beside a weight-gradient
+  // GEMM): `in` unwritten and `out` untouched until wait().
+  virtual std::unique_ptr<Work> all_gather_async(Context& ctx, const Tensor& in, Tensor& out);
 
   // ---- Sub-groups ----
   // Collective over this group: every member calls split with its color; the members with

@@ -16,6 +16,18 @@
 // Gradient rules as everywhere in nn/: backward_input overwrites (returns a new dx),
 // backward_weight accumulates. A replicated bias (RowParallelLinear's) gets the same
 // gradient on every rank (it is computed from the full dy), so it needs no extra reduction.
+//
+// Communication overlap (ParallelContext::tp_comm_overlap, parallel.tp_comm_overlap): with
+// tp > 1, ColumnParallelLinear::backward_input starts dx's all-reduce (reduce-scatter under
+// sequence parallelism) asynchronously, accumulates the weight and bias gradients (which need
+// only dy and the saved input) while it runs, then waits for it (on NCCL a stream-ordered
+// wait, no host synchronisation) and returns dx; its backward_weight then has nothing left
+// to do (Saved records it). The GEMMs and reductions are the same ones, so the results are
+// bit-identical to running without it; on the CPU backends the collective completes at once
+// and only the order changes. Under sequence parallelism RowParallelLinear::start_gather_dy
+// lets the owner start the all-gather of dy early and compute something else meanwhile
+// (TensorParallelTransformerLayer: the MLP's row-parallel weight gradient beside the
+// attention's dy gather).
 #pragma once
 
 #include "tessera/nn/attention.h"
@@ -23,12 +35,19 @@
 #include "tessera/nn/parallel_layout.h"
 #include "tessera/nn/parameter.h"
 
+namespace tessera::dist {
+class Work;
+}
+
 namespace tessera::nn {
 
 class ColumnParallelLinear {
  public:
   struct Saved {
     Tensor x;  // the full input [N, in] (gathered under sequence parallelism)
+    // backward_input accumulated the weight (and bias) gradient already (communication
+    // overlap); backward_weight clears it instead of accumulating a second time.
+    bool weight_grad_done = false;
   };
   // A block of output features split into `shards` equal slices, rank r holding slice
   // r / (tp / shards): shards = tp (0 means tp) splits it across the ranks, fewer shards
@@ -54,9 +73,13 @@ class ColumnParallelLinear {
   ColumnParallelLinear(const std::string& name, int64_t in_features, const std::vector<Block>& blocks, bool bias,
                        DType dtype, const ParallelContext& parallel);
 
-  Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;            // -> [N, out/tp]
-  Tensor backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const;  // -> dx, reduced
-  void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
+  Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;  // -> [N, out/tp]
+  // -> dx, reduced. With communication overlap also accumulates the weight gradients (see
+  // the top of this file), hence not const.
+  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved);
+  void backward_weight(Context& ctx, const Tensor& dy, Saved& saved);
+  // Whether backward_input overlaps its collective with the weight-gradient GEMM.
+  bool comm_overlap() const { return overlap_; }
   void parameters(ParameterList& out);
 
   // Fills this rank's shard from the full weight [out, in] and bias [out] (bias may be
@@ -80,6 +103,7 @@ class ColumnParallelLinear {
   int tp_, rank_;
   std::vector<Block> blocks_;
   bool sequence_parallel_;
+  bool overlap_;
   std::shared_ptr<dist::ProcessGroup> group_;
 };
 
@@ -88,13 +112,23 @@ class RowParallelLinear {
   struct Saved {
     Tensor x;        // the local input [N, in/tp]
     Tensor dy_full;  // sequence parallel: the gathered dy, kept by backward_input for backward_weight
+    bool dy_gathered = false;       // start_gather_dy filled dy_full for the next backward_input
+    bool weight_grad_done = false;  // the owner ran backward_weight early; the next call skips
   };
   RowParallelLinear(const std::string& name, int64_t in_features, int64_t out_features, bool bias, DType dtype,
                     const ParallelContext& parallel);
 
   Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;        // [N, in/tp] -> [N, out] (SP: [N/tp, out])
   Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;  // -> dx [N, in/tp]
-  void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
+  // Accumulates the weight (and bias) gradient, unless saved.weight_grad_done says an
+  // earlier call already did (then clears it).
+  void backward_weight(Context& ctx, const Tensor& dy, Saved& saved);
+  // Sequence parallelism: starts the all-gather of dy into saved.dy_full (asynchronous on
+  // NCCL, see ProcessGroup::all_gather_async) for the next backward_input, which then uses
+  // it. dy must stay alive and unwritten until the returned Work's wait().
+  std::unique_ptr<dist::Work> start_gather_dy(Context& ctx, const Tensor& dy, Saved& saved) const;
+  bool sequence_parallel() const { return sequence_parallel_; }
+  bool comm_overlap() const { return overlap_; }
   void parameters(ParameterList& out);
 
   void load_full(Context& ctx, const Tensor& full_weight, const Tensor& full_bias);
@@ -110,6 +144,7 @@ class RowParallelLinear {
   int64_t in_, out_;
   int tp_, rank_;
   bool sequence_parallel_;
+  bool overlap_;
   std::shared_ptr<dist::ProcessGroup> group_;
 };
 
@@ -127,7 +162,7 @@ class TensorParallelMLP {
                     DType dtype, const ParallelContext& parallel);
 
   Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;
-  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;
+  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved);
   void backward_weight(Context& ctx, const Tensor& dy, Saved& saved);
   void parameters(ParameterList& out);
   // The layouts of parameters(), in the same order.
@@ -154,13 +189,17 @@ class TensorParallelSelfAttention {
   struct Saved : AttentionCoreSaved {
     ColumnParallelLinear::Saved qkv_in;
     RowParallelLinear::Saved out_in;
+    // Replicated K/V heads with communication overlap: the K/V rows' gradients from before
+    // this backward, set aside by backward_input (whose QKV projection accumulates the new
+    // part), added back by backward_weight after summing the new part over kv_group.
+    std::vector<Tensor> kv_earlier;
   };
   TensorParallelSelfAttention(const std::string& name, const AttentionConfig& config, DType dtype,
                               const ParallelContext& parallel);
 
   // x is [B*T, hidden], or under sequence parallelism this rank's B*T/tp rows of it.
   Tensor forward(Context& ctx, const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const;
-  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;
+  Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved);
   void backward_weight(Context& ctx, const Tensor& dy, Saved& saved);
   void parameters(ParameterList& out);
   void layouts(std::vector<ShardLayout>& out) const;
@@ -174,6 +213,9 @@ class TensorParallelSelfAttention {
   RowParallelLinear proj;
 
  private:
+  // Sets the K/V rows' gradients aside into saved.kv_earlier and zeroes them.
+  void set_aside_kv_grads(Saved& saved);
+
   AttentionConfig config_;
   int64_t local_heads_, local_kv_heads_;
   // The ranks that share this rank's K/V head when K/V heads are replicated (else null).

@@ -10,6 +10,11 @@
 // Under sequence parallelism the norms' weight gradients come from this rank's rows only:
 // sequence_parallel_parameters() lists them, and the model sums them over the tensor group
 // (TransformerLM does so in forward_backward). Without it they are complete on every rank.
+//
+// With communication overlap (ParallelContext::tp_comm_overlap) and sequence parallelism,
+// backward_input also starts the attention's all-gather of its dy before the attention's
+// backward and computes the MLP's row-parallel weight gradient meanwhile (backward_weight
+// then skips it); see parallel_linear.h for the column-parallel overlap.
 #pragma once
 
 #include "tessera/models/config.h"

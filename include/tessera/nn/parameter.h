@@ -57,6 +57,10 @@ struct ParallelContext {
   int tensor_size = 1, tensor_rank = 0;
   int pipeline_size = 1, pipeline_rank = 0;
   bool sequence_parallel = false;  // activations outside the TP regions split along rows
+  // The tensor-parallel layers start their backward collectives asynchronously and compute
+  // the weight gradients that do not depend on them meanwhile (parallel.tp_comm_overlap;
+  // bit-identical results, only the order of independent work changes).
+  bool tp_comm_overlap = false;
   std::shared_ptr<dist::ProcessGroup> data_group, tensor_group, pipeline_group;
   bool single_device() const { return data_size * tensor_size * pipeline_size == 1; }
 };

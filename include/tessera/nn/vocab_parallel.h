@@ -102,6 +102,9 @@ class VocabParallelEmbedding {
   const Tensor& padded_value() const { return value_padded_; }
   Tensor& padded_grad() { return grad_padded_; }
   bool sequence_parallel() const { return sequence_parallel_; }
+  // ParallelContext::tp_comm_overlap (with tp > 1): the LM head on this table overlaps its
+  // d_h reduction with its last weight-gradient GEMM.
+  bool comm_overlap() const { return overlap_; }
   dist::ProcessGroup& group() const { return *group_; }
 
   Parameter weight;  // [rows, C]
@@ -109,6 +112,7 @@ class VocabParallelEmbedding {
  private:
   VocabShard shard_;
   bool sequence_parallel_;
+  bool overlap_;
   std::shared_ptr<dist::ProcessGroup> group_;
   Tensor value_padded_, grad_padded_;  // [padded rows, C]; weight.value / weight.grad view their first rows
 };
