@@ -75,7 +75,9 @@ TEST(GpuTranspose, MatchesTheCpuBitForBit) {
   Context cpu = Context::cpu(), gpu = Context::cuda();
   uint64_t seed = 1100;
   const std::pair<int64_t, int64_t> shapes[] = {{1, 1},  {1, 37},  {33, 1},  {31, 65},    {64, 64},
-                                               {257, 1000}, {0, 5}, {5, 0}, {3, 40000}, {2049, 33}};
+                                               {257, 1000}, {0, 5}, {5, 0}, {3, 40000}, {2049, 33},
+                                               // multiples of 16: 1-byte types take the 64 x 64 byte-tile kernel
+                                               {16, 16}, {80, 48}, {64, 128}, {4096, 2064}};
   for (DType t : {DType::F64, DType::I64, DType::F32, DType::I32, DType::BF16, DType::F16, DType::E4M3,
                   DType::E5M2, DType::U8}) {
     for (auto [rows, cols] : shapes) {
