@@ -27,6 +27,7 @@
 #include "tessera/core/philox.h"
 #include "tessera/core/stream.h"
 #include "tessera/models/fp8_model.h"
+#include "tessera/nn/mlp.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/train/optimizer.h"
 #include "train/cuda_graph_step.h"
@@ -60,8 +61,15 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup)->capture_default_str();
   std::string fp8_recipe;
   app.add_option("--fp8", fp8_recipe,
-                 "Run the blocks' linear layers in FP8 with this recipe: current or delayed (needs --precision bf16)")
-      ->check(CLI::IsMember({"current", "delayed"}));
+                 "Run the blocks' linear layers in FP8 with this recipe: current, delayed, block or mxfp8 "
+                 "(emulated) (needs --precision bf16)")
+      ->check(CLI::IsMember({"current", "delayed", "block", "mxfp8"}));
+  bool fp8_lm_head = false;
+  app.add_flag("--fp8-lm-head", fp8_lm_head, "With --fp8: the LM head's GEMMs in FP8 too (fp8.lm_head)");
+  bool unfused_fp8_activation = false;
+  app.add_flag("--unfused-fp8-activation", unfused_fp8_activation,
+               "With --fp8: the MLP writes its activation in BF16 and casts it in a separate pass (the path "
+               "before the fused SwiGLU -> FP8 kernels, for comparison)");
   bool profile = false;
   app.add_flag("--profile", profile,
                "Mark the last step for a profiler started with profiling off (ncu --profile-from-start off; "
@@ -85,7 +93,13 @@ int main(int argc, char** argv) {
     std::shared_ptr<nn::Fp8Scaling> fp8_state;
     if (!fp8_recipe.empty()) {
       if (precision != "bf16") throw std::runtime_error("--fp8 needs --precision bf16");
-      fp8_state = models::enable_fp8(ctx, model, fp8::Recipe::from_json({{"recipe", fp8_recipe}}));
+    } else if (fp8_lm_head) {
+      throw std::runtime_error("--fp8-lm-head needs --fp8");
+    }
+    nn::MLP::set_fused_fp8_activation(!unfused_fp8_activation);
+    if (!fp8_recipe.empty()) {
+      fp8_state = models::enable_fp8(ctx, model,
+                                     fp8::Recipe::from_json({{"recipe", fp8_recipe}, {"lm_head", fp8_lm_head}}));
     }
     Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
     for (int64_t i = 0; i < batch * seq; ++i) {
@@ -118,7 +132,7 @@ int main(int argc, char** argv) {
     if (cuda_graph) {
       train::RunConfig run;
       run.model = config;
-      if (fp8_state) run.fp8 = fp8::Recipe::from_json({{"recipe", fp8_recipe}});
+      if (fp8_state) run.fp8 = fp8::Recipe::from_json({{"recipe", fp8_recipe}, {"lm_head", fp8_lm_head}});
       const double eager_median = median;
       graph_info = {{"cuda_graph", false}, {"eager_median_step_s", eager_median}};
       if (auto why = train::cuda_graph_blocker(run, ctx.device)) {
@@ -146,7 +160,8 @@ int main(int argc, char** argv) {
     const double tokens_per_s = batch * seq / median;
     nlohmann::json out = {{"impl", "tessera"},
                           {"device", device},
-                          {"precision", fp8_recipe.empty() ? precision : "fp8-" + fp8_recipe},
+                          {"precision", fp8_recipe.empty() ? precision : "fp8-" + fp8_recipe + (fp8_lm_head ? "+head" : "") +
+                                                                 (unfused_fp8_activation ? "+unfused-act" : "")},
                           {"params", model.num_parameters()},
                           {"median_step_s", median},
                           {"min_step_s", times.front()},

@@ -129,6 +129,12 @@ TEST(CudaGraphConfig, BlockersSayWhy) {
   train::RunConfig current = c;
   current.fp8 = fp8::Recipe::from_json({{"recipe", "current"}});
   EXPECT_FALSE(train::cuda_graph_blocker(current, Device::cuda()).has_value());
+  // Block scaling and MXFP8 keep no state and read nothing on the host: captured too.
+  for (const char* name : {"block", "mxfp8"}) {
+    train::RunConfig blocks = c;
+    blocks.fp8 = fp8::Recipe::from_json({{"recipe", name}});
+    EXPECT_FALSE(train::cuda_graph_blocker(blocks, Device::cuda()).has_value()) << name;
+  }
 }
 
 // On the CPU, `on` falls back to the eager step (saying so unless quiet) and changes nothing.

@@ -133,8 +133,9 @@ TEST(Fp8Linear, SizesTheFp8GemmsCannotTakeRunInBf16) {
   other.use_fp8({scaling, 0});
   other.forward(ctx, random_tensor({17, 32}, DType::BF16, 23), saved);  // 17 rows
   EXPECT_FALSE(saved.fp8);
-  // Block scaling and MXFP8 are not wired into the layers yet: a clear error, not a silent BF16 run.
-  EXPECT_THROW(nn::Fp8Scaling(ctx, recipe_named("block"), 1), Error);
+  // Block scaling and MXFP8 are wired in too (tests/test_fp8_block_linear.cpp).
+  EXPECT_NO_THROW(nn::Fp8Scaling(ctx, recipe_named("block"), 1));
+  EXPECT_NO_THROW(nn::Fp8Scaling(ctx, recipe_named("mxfp8"), 1));
 }
 
 TEST(Fp8Linear, DelayedScalingLearnsItsScalesFromTheStep) {

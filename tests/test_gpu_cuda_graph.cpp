@@ -197,6 +197,19 @@ TEST(GpuCudaGraph, LlamaFp8DelayedScalingWithGradAccumCapturedMatchesEager) {
   check_captured_matches_eager("llama", DType::BF16, 2, "delayed", 256, 5);
 }
 
+// Block scaling and MXFP8 have no state and no host reads (block casts, GEMM-ready scales,
+// cuBLASLt's block-scaled GEMMs; MXFP8's casts, dequantization and BF16 GEMM): captured.
+// intermediate 256: fc 128 -> 512 and proj 256 -> 128, all multiples of 128.
+TEST(GpuCudaGraph, LlamaFp8BlockScalingCapturedMatchesEager) {
+  REQUIRE_GPU();
+  check_captured_matches_eager("llama", DType::BF16, 2, "block", 256);
+}
+
+TEST(GpuCudaGraph, LlamaFp8Mxfp8CapturedMatchesEager) {
+  REQUIRE_GPU();
+  check_captured_matches_eager("llama", DType::BF16, 1, "mxfp8", 256);
+}
+
 // What the captured step refuses, and why (the trainer then runs the eager step).
 TEST(GpuCudaGraph, RefusalsSayWhy) {
   REQUIRE_GPU();

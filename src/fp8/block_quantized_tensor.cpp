@@ -22,17 +22,26 @@ void check_blocks(const BlockScaling& b, const char* op) {
                 b.block_rows, "x", b.block_cols);
 }
 
-void check_block_tensor(const BlockQuantizedTensor& q, const char* op, const char* name) {
-  TESSERA_CHECK(q.data.defined() && q.data_t.defined() && q.scale_inv.defined() && q.scale_inv_t.defined(), op, ": ",
-                name, " is not a block-quantized tensor (undefined data, data_t, scale_inv or scale_inv_t)");
+// need_data / need_data_t: which copies (with their scales) the caller reads. A layer may drop
+// the copy its backward does not read (nn::Linear keeps only what its backward GEMMs use);
+// when both are present they must be [M, K] and [K, M].
+void check_block_tensor(const BlockQuantizedTensor& q, const char* op, const char* name, bool need_data = true,
+                        bool need_data_t = true) {
+  // A copy is its codes and its scales: both present, or both dropped.
+  const bool has = q.data.defined(), has_t = q.data_t.defined();
+  TESSERA_CHECK(has == q.scale_inv.defined() && has_t == q.scale_inv_t.defined(), op, ": ", name,
+                " has codes without scales or scales without codes (data / scale_inv, data_t / scale_inv_t)");
+  TESSERA_CHECK((has || !need_data) && (has_t || !need_data_t) && (has || has_t), op, ": ", name,
+                " is not a block-quantized tensor (an undefined copy, data or data_t, that this call reads)");
   check_blocks(q.blocks, op);
-  TESSERA_CHECK(q.data.dim() == 2 && q.data_t.dim() == 2 && q.data.size(0) == q.data_t.size(1) &&
-                    q.data.size(1) == q.data_t.size(0),
-                op, ": ", name, ".data ", q.data.describe(), " and ", name, ".data_t ", q.data_t.describe(),
-                " are not [M, K] and [K, M]");
-  const int64_t m = q.data.size(0), k = q.data.size(1);
-  check_shape(q.scale_inv, block_scale_shape(m, k, q.blocks), op, "scale_inv");
-  check_shape(q.scale_inv_t, block_scale_shape(k, m, q.blocks), op, "scale_inv_t");
+  TESSERA_CHECK((!has || q.data.dim() == 2) && (!has_t || q.data_t.dim() == 2), op, ": ", name, " must be 2-D");
+  if (has && has_t)
+    TESSERA_CHECK(q.data.size(0) == q.data_t.size(1) && q.data.size(1) == q.data_t.size(0), op, ": ", name,
+                  ".data ", q.data.describe(), " and ", name, ".data_t ", q.data_t.describe(),
+                  " are not [M, K] and [K, M]");
+  const int64_t m = q.rows(), k = q.cols();
+  if (has) check_shape(q.scale_inv, block_scale_shape(m, k, q.blocks), op, "scale_inv");
+  if (has_t) check_shape(q.scale_inv_t, block_scale_shape(k, m, q.blocks), op, "scale_inv_t");
 }
 
 // One side of the TN product: the FP8 copy used and its scales.
@@ -86,7 +95,7 @@ BlockQuantizedTensor quantize_blockwise_with_transpose(Context& ctx, const Tenso
 }
 
 Tensor dequantize(Context& ctx, const BlockQuantizedTensor& q, DType out_dtype) {
-  check_block_tensor(q, "dequantize", "q");
+  check_block_tensor(q, "dequantize", "q", true, false);
   Tensor out = Tensor::empty(q.data.shape(), out_dtype, ctx.device);
   dequantize_blockwise(ctx, q.data, q.scale_inv, out, q.blocks);
   return out;
@@ -95,8 +104,9 @@ Tensor dequantize(Context& ctx, const BlockQuantizedTensor& q, DType out_dtype) 
 void fp8_gemm_blockwise(Context& ctx, const BlockQuantizedTensor& a, bool transpose_a, const BlockQuantizedTensor& b,
                         bool transpose_b, Tensor& c, const Fp8GemmOptions& options) {
   const char* op = "fp8_gemm_blockwise";
-  check_block_tensor(a, op, "a");
-  check_block_tensor(b, op, "b");
+  // Only the copies this orientation reads must be present.
+  check_block_tensor(a, op, "a", !transpose_a, transpose_a);
+  check_block_tensor(b, op, "b", transpose_b, !transpose_b);
   check_defined(c, op, "c");
   TESSERA_CHECK(!(a.is_2d() && b.is_2d()), op,
                 ": both operands use 128x128 tiles; cuBLASLt has no 2-D x 2-D block-scaled GEMM (quantize one of "

@@ -81,7 +81,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
                                 "intermediate_size", "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings",
                                 "num_experts", "num_experts_per_tok", "router_score", "router_normalize",
                                 "router_num_groups", "router_topk_groups", "router_scaling", "router_aux_loss_coef",
-                                "router_z_loss_coef", "capacity_factor", "expert_bias_rate"};
+                                "router_z_loss_coef", "capacity_factor", "expert_bias_rate",
+                                "moe_recompute_activation"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -114,10 +115,11 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   read_key(j, "router_z_loss_coef", c.router_z_loss_coef);
   read_key(j, "capacity_factor", c.capacity_factor);
   read_key(j, "expert_bias_rate", c.expert_bias_rate);
+  read_key(j, "moe_recompute_activation", c.moe_recompute_activation);
   if (!c.is_moe()) {
     for (const char* key : {"num_experts", "num_experts_per_tok", "router_score", "router_normalize", "router_num_groups",
                             "router_topk_groups", "router_scaling", "router_aux_loss_coef", "router_z_loss_coef",
-                            "capacity_factor", "expert_bias_rate"})
+                            "capacity_factor", "expert_bias_rate", "moe_recompute_activation"})
       TESSERA_CHECK(!j.contains(key), "model.", key, " applies to the mixtral architecture only");
   }
   c.validate();
@@ -141,6 +143,7 @@ nlohmann::json ModelConfig::to_json() const {
     j["router_z_loss_coef"] = router_z_loss_coef;
     j["capacity_factor"] = capacity_factor;
     j["expert_bias_rate"] = expert_bias_rate;
+    if (moe_recompute_activation) j["moe_recompute_activation"] = true;  // written only when set
   }
   return j;
 }

@@ -22,11 +22,20 @@ std::shared_ptr<nn::Fp8Scaling> enable_fp8(Context& ctx, TransformerLM& model, c
   auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe, count);
   int64_t index = 0;
   for_each_block_linear(model, [&](nn::Linear& linear) { linear.use_fp8({scaling, index++}); });
+  // MoE experts: current scaling in the recipe's format (per-expert weight scales; the
+  // router stays BF16). See docs/ops/moe.md, "FP8".
+  for (auto& layer : model.layers)
+    if (layer->moe) layer->moe->experts.use_fp8(MoEFp8Options::from_recipe(recipe));
+  // fp8.lm_head: the head in FP8, per-tensor scaled whatever the recipe, in its format.
+  if (recipe.lm_head) model.use_fp8_lm_head(std::visit([](const auto& c) { return c.format; }, recipe.config));
   return scaling;
 }
 
 void disable_fp8(TransformerLM& model) {
   for_each_block_linear(model, [](nn::Linear& linear) { linear.use_fp8({}); });
+  for (auto& layer : model.layers)
+    if (layer->moe) layer->moe->experts.use_fp8(std::nullopt);
+  model.use_fp8_lm_head(std::nullopt);
 }
 
 std::shared_ptr<nn::Fp8Scaling> fp8_scaling_of(TransformerLM& model) {

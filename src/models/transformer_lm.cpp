@@ -4,10 +4,13 @@
 #include <cmath>
 
 #include "tessera/core/random.h"
+#include "tessera/fp8/device_scaling.h"
+#include "tessera/fp8/quantized_tensor.h"
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/embedding.h"
 #include "tessera/ops/gemm.h"
 #include "tessera/ops/loss.h"
+#include "tessera/ops/quantize.h"
 #include "models/parallel_lm.h"
 
 namespace tessera::models {
@@ -206,6 +209,35 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
   // loop never waits for the GPU.
   const int64_t num_chunks = static_cast<int64_t>(chunk_valid_counts.size());
   Tensor chunk_losses = Tensor::zeros({num_chunks}, stats, ctx.device);
+  // FP8 head: W and h cast once per call (not per chunk), each chunk's GEMMs slice them.
+  const bool fp8_head = head_runs_fp8(rows, h, w_full);
+  fp8::QuantizedTensor w_q, h_q;
+  Tensor dl_scale;
+  DType dl_dtype = DType::E5M2;
+  if (fp8_head) {
+    // Current scaling for both, whatever the blocks' recipe: the head is outside its state,
+    // and the weight changes every step. amax and scale stay on the device.
+    const auto cast_current = [&](const Tensor& x) {
+      Tensor x_amax = Tensor::empty({1}, DType::F32, ctx.device), x_scale = Tensor::empty({1}, DType::F32, ctx.device);
+      amax(ctx, x, x_amax);
+      fp8::scale_from_amax(ctx, x_amax, DType::E4M3, 0.0f, false, x_scale);
+      return fp8::quantize_with_transpose(ctx, x, x_scale, DType::E4M3);
+    };
+    w_q = cast_current(w_full);
+    h_q = cast_current(h);
+    if (d_h) {
+      // Static dlogits scale: every chunk's d_loss / chunk_valid is scale / valid, and
+      // |softmax - onehot| <= 1, so |dlogits| <= |scale| / valid maps to at most fp8_max (the
+      // cast saturates, so a rounding above the bound clamps instead of overflowing).
+      dl_dtype = fp8::fp8_dtype(*fp8_head_format_, fp8::Role::Gradient);
+      const double bound = std::fabs(double(scale)) / double(valid);
+      const float value = bound > 0 ? static_cast<float>(double(fp8_max(dl_dtype)) / bound) : 1.0f;
+      if (!fp8_head_one_.defined() || fp8_head_one_.device() != ctx.device)
+        fp8_head_one_ = Tensor::from_floats({1.0f}, {1}).to(ctx.device);
+      dl_scale = Tensor::empty({1}, DType::F32, ctx.device);
+      tessera::scale(ctx, fp8_head_one_, value, dl_scale);  // the value travels as a kernel argument
+    }
+  }
   for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
     const int64_t r1 = std::min(rows, r0 + kHeadChunkRows), n = r1 - r0;
     const Tensor h_chunk = h.slice(0, r0, r1), t_chunk = flat_targets.slice(0, r0, r1);
@@ -220,17 +252,42 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
     // (The padded weight's extra columns come out exactly 0 and the loss ignores them.)
     const int64_t row_stride = ctx.device.is_cuda() ? (vocab_full + 7) / 8 * 8 : vocab_full;
     Tensor logits_full = Tensor::empty({n, row_stride}, dtype_, ctx.device).slice(1, 0, vocab_full);
-    gemm(ctx, h_chunk, w_full, logits_full, {.transpose_b = true});
+    fp8::QuantizedTensor h_q_chunk;
+    if (fp8_head) {
+      h_q_chunk.dtype = h_q.dtype;
+      h_q_chunk.data = h_q.data.slice(0, r0, r1);        // [n, C]
+      h_q_chunk.data_t = h_q.data_t.slice(1, r0, r1);    // [C, n], row stride `rows` (a multiple of 16)
+      h_q_chunk.scale_inv = h_q.scale_inv;
+      fp8::Fp8GemmOptions forward;
+      forward.fast_accumulate = true;  // forward only, as nn::Linear
+      fp8::fp8_gemm(ctx, h_q_chunk, false, w_q, true, logits_full, forward);  // logits = h W^T
+    } else {
+      gemm(ctx, h_chunk, w_full, logits_full, {.transpose_b = true});
+    }
     Tensor logits = logits_full.slice(1, 0, vocab);
     Tensor chunk_loss = chunk_losses.slice(0, r0 / kHeadChunkRows, r0 / kHeadChunkRows + 1);
     Tensor lse = Tensor::empty({n}, stats, ctx.device);
     cross_entropy_forward(ctx, logits, t_chunk, chunk_loss, lse, {.ignore_index = kIgnoreIndex});
     const double weight = double(chunk_valid) / double(valid);
     if (!d_h) continue;
+    Tensor d_h_chunk = d_h->slice(0, r0, r1);
+    if (fp8_head) {
+      // The FP8 gradient straight from the cross-entropy backward (on CUDA one kernel, no BF16
+      // gradient written), the padding columns as code 0; then its transposed copy for dW.
+      Tensor dl_codes = Tensor::empty({n, vocab_full}, dl_dtype, ctx.device);
+      cross_entropy_backward_fp8(ctx, logits, t_chunk, lse, static_cast<float>(weight * scale), dl_scale, dl_codes,
+                                 {.ignore_index = kIgnoreIndex});
+      fp8::QuantizedTensor dl_q = fp8::quantized_from_codes(ctx, dl_codes, dl_scale);
+      fp8::fp8_gemm(ctx, dl_q, false, w_q, false, d_h_chunk);  // dh = dlogits W
+      dl_q.data = Tensor();                                     // dW reads the transposed copy only
+      fp8::Fp8GemmOptions accumulate;
+      accumulate.beta = 1;
+      fp8::fp8_gemm(ctx, dl_q, true, h_q_chunk, false, grad_full, accumulate);  // dW += dlogits^T h
+      continue;
+    }
     Tensor d_logits = logits;  // the gradient replaces the logits in place
     cross_entropy_backward(ctx, logits, t_chunk, lse, static_cast<float>(weight * scale), d_logits,
                            {.ignore_index = kIgnoreIndex});
-    Tensor d_h_chunk = d_h->slice(0, r0, r1);
     // d_logits is a view of logits_full, whose padding columns still hold 0.
     gemm(ctx, logits_full, w_full, d_h_chunk);                                 // dh = dlogits W
     gemm(ctx, logits_full, h_chunk, grad_full, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
@@ -238,6 +295,35 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
   HeadLoss out{chunk_losses, {}};
   for (int64_t count : chunk_valid_counts) out.weights.push_back(double(count) / double(valid));
   return out;
+}
+
+bool TransformerLM::head_runs_fp8(int64_t rows, const Tensor& h, const Tensor& w_full) const {
+  // cuBLASLt's FP8 GEMMs want K (C, the padded vocabulary, the chunk rows) and the operands'
+  // row strides multiples of 16; the CPU emulation takes the same path under the same rule.
+  // Chunks hold kHeadChunkRows (a multiple of 16) rows but the last, so rows % 16 covers all.
+  return fp8_head_format_.has_value() && !tp_ && dtype_ == DType::BF16 && h.dtype() == DType::BF16 &&
+         w_full.dtype() == DType::BF16 && rows > 0 && rows % 16 == 0 && config_.hidden_size % 16 == 0 &&
+         w_full.size(0) % 16 == 0 && h.is_contiguous() && w_full.is_contiguous();
+}
+
+void TransformerLM::use_fp8_lm_head(std::optional<fp8::Format> format) {
+  TESSERA_CHECK(!format || !tp_, "TransformerLM: the FP8 LM head (fp8.lm_head) is not built for tensor parallelism");
+  fp8_head_format_ = format;
+}
+
+double TransformerLM::head_forward_backward(Context& ctx, const Tensor& h, const Tensor& targets, Tensor* d_h,
+                                            float scale) {
+  TESSERA_CHECK(!tp_, "TransformerLM::head_forward_backward: not built for tensor parallelism");
+  TESSERA_CHECK(h.dim() == 2 && h.size(1) == config_.hidden_size && h.dtype() == dtype_ && h.device() == ctx.device,
+                "TransformerLM::head_forward_backward: h must be [N, ", config_.hidden_size, "] ", dtype_name(dtype_),
+                " on ", ctx.device.to_string(), ", got ", h.describe());
+  TESSERA_CHECK(targets.numel() == h.size(0), "TransformerLM::head_forward_backward: targets ", targets.describe(),
+                " must hold ", h.size(0), " ids");
+  if (d_h)
+    TESSERA_CHECK(d_h->shape() == h.shape() && d_h->dtype() == dtype_ && d_h->device() == ctx.device,
+                  "TransformerLM::head_forward_backward: d_h ", d_h->describe(), " must match h ", h.describe());
+  const Tensor device_targets = targets.to(ctx.device);
+  return head_loss(ctx, h, &targets, device_targets, d_h, scale).read();
 }
 
 double TransformerLM::forward_backward(Context& ctx, const Tensor& inputs, const Tensor& targets, float scale) {
@@ -281,7 +367,7 @@ void TransformerLM::forward_backward_into(Context& ctx, const Tensor& inputs, co
 
 std::vector<Tensor> TransformerLM::step_buffers() const {
   std::vector<Tensor> out;
-  for (const Tensor* t : {&positions_, &head_value_padded_, &head_grad_padded_})
+  for (const Tensor* t : {&positions_, &head_value_padded_, &head_grad_padded_, &fp8_head_one_})
     if (t->defined()) out.push_back(*t);
   return out;
 }

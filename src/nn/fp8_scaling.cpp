@@ -12,23 +12,33 @@ Fp8Scaling::Fp8Scaling(Context& ctx, const fp8::Recipe& recipe, int64_t num_line
     for (int64_t l = 0; l < num_linears; ++l)
       roles.insert(roles.end(), {fp8::Role::Forward, fp8::Role::Forward, fp8::Role::Gradient});
     delayed_.emplace(ctx, *delayed, std::move(roles));
+    format_ = delayed->format;
   } else if (const auto* current = std::get_if<fp8::CurrentScalingConfig>(&recipe_.config)) {
     margin_ = current->margin;
     power_of_two_ = current->power_of_two_scales;
+    format_ = current->format;
+  } else if (const auto* block = std::get_if<fp8::BlockScalingConfig>(&recipe_.config)) {
+    kind_ = Kind::Block;
+    format_ = block->format;
+    power_of_two_ = block->power_of_two_scales;
   } else {
-    TESSERA_FAIL("FP8 recipe \"", recipe_.name(),
-                 "\" is not wired into the linear layers yet: use \"delayed\" or \"current\"");
+    kind_ = Kind::Mxfp8;
+    format_ = std::get<fp8::Mxfp8Config>(recipe_.config).format;
   }
 }
 
+void Fp8Scaling::check_layer(int64_t layer) const {
+  TESSERA_CHECK(layer >= 0 && layer < num_linears_, "Fp8Scaling: layer ", layer, " outside [0, ", num_linears_, ")");
+}
+
 DType Fp8Scaling::dtype(Slot slot) const {
-  const fp8::Format format = delayed_ ? delayed_->config().format
-                                      : std::get<fp8::CurrentScalingConfig>(recipe_.config).format;
-  return fp8::fp8_dtype(format, slot == kGradOutput ? fp8::Role::Gradient : fp8::Role::Forward);
+  return fp8::fp8_dtype(format_, slot == kGradOutput ? fp8::Role::Gradient : fp8::Role::Forward);
 }
 
 fp8::QuantizedTensor Fp8Scaling::quantize(Context& ctx, const Tensor& x, int64_t layer, Slot slot) {
-  TESSERA_CHECK(layer >= 0 && layer < num_linears_, "Fp8Scaling: layer ", layer, " outside [0, ", num_linears_, ")");
+  check_layer(layer);
+  TESSERA_CHECK(per_tensor(), "Fp8Scaling::quantize: the recipe \"", recipe_.name(),
+                "\" is not per-tensor scaled (use quantize_block / quantize_mx)");
   if (delayed_) {
     const int64_t i = 3 * layer + slot;
     Tensor pending = delayed_->pending_amax(i);
@@ -40,14 +50,33 @@ fp8::QuantizedTensor Fp8Scaling::quantize(Context& ctx, const Tensor& x, int64_t
   return fp8::quantize_with_transpose(ctx, x, current_scale(ctx, x_amax, slot), dtype(slot));
 }
 
+fp8::BlockQuantizedTensor Fp8Scaling::quantize_block(Context& ctx, const Tensor& x, int64_t layer, Slot slot) const {
+  check_layer(layer);
+  TESSERA_CHECK(kind_ == Kind::Block, "Fp8Scaling::quantize_block: the recipe is \"", recipe_.name(), "\", not block");
+  const auto& config = std::get<fp8::BlockScalingConfig>(recipe_.config);
+  const BlockScaling blocks = slot == kWeight ? config.weights() : slot == kInput ? config.activations()
+                                                                                  : config.gradients();
+  return fp8::quantize_blockwise_with_transpose(ctx, x, blocks, dtype(slot));
+}
+
+fp8::MxQuantizedTensor Fp8Scaling::quantize_mx(Context& ctx, const Tensor& x, int64_t layer, Slot slot) const {
+  check_layer(layer);
+  TESSERA_CHECK(kind_ == Kind::Mxfp8, "Fp8Scaling::quantize_mx: the recipe is \"", recipe_.name(), "\", not mxfp8");
+  return fp8::quantize_mxfp8_with_transpose(ctx, x, dtype(slot));
+}
+
 Fp8Scaling::CastTarget Fp8Scaling::cast_target(Context& ctx, int64_t layer, Slot slot) {
-  TESSERA_CHECK(layer >= 0 && layer < num_linears_, "Fp8Scaling: layer ", layer, " outside [0, ", num_linears_, ")");
+  check_layer(layer);
+  TESSERA_CHECK(per_tensor(), "Fp8Scaling::cast_target: the recipe \"", recipe_.name(),
+                "\" scales blocks, not tensors: a norm cannot cast its output for it (run the norm, then the "
+                "linear layer's own block cast)");
   if (delayed_) return {delayed_->scale(3 * layer + slot), delayed_->pending_amax(3 * layer + slot)};
   return {Tensor(), Tensor::empty({1}, DType::F32, ctx.device)};
 }
 
 Tensor Fp8Scaling::current_scale(Context& ctx, const Tensor& amax, Slot slot) const {
-  TESSERA_CHECK(!delayed_, "Fp8Scaling::current_scale: the recipe is \"", recipe_.name(), "\", not current scaling");
+  TESSERA_CHECK(!delayed_ && per_tensor(), "Fp8Scaling::current_scale: the recipe is \"", recipe_.name(),
+                "\", not current scaling");
   Tensor scale = Tensor::empty({1}, DType::F32, ctx.device);
   fp8::scale_from_amax(ctx, amax, dtype(slot), margin_, power_of_two_, scale);
   return scale;

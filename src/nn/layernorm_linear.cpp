@@ -3,8 +3,9 @@
 namespace tessera::nn {
 
 bool LayerNormLinear::runs_fp8(const Tensor& x) const {
-  // The norm's output has x's shape and dtype.
-  return linear_->runs_fp8(x);
+  // The norm's output has x's shape and dtype. Only per-tensor recipes fuse the cast into the
+  // norm; under block and mxfp8 the norm runs unfused and the linear layer casts its input.
+  return linear_->runs_fp8(x) && linear_->fp8_binding().scaling->per_tensor();
 }
 
 Tensor LayerNormLinear::forward(Context& ctx, const Tensor& x, Norm::Saved& norm_saved,

@@ -2,7 +2,11 @@
 
 namespace tessera::nn {
 
-bool LayerNormMLP::runs_fp8(const Tensor& x) const { return mlp_->fc.runs_fp8(x); }
+// Only per-tensor recipes fuse the cast into the norm; under block and mxfp8 the norm runs
+// unfused and fc casts its input (MLP::forward's FP8 branch).
+bool LayerNormMLP::runs_fp8(const Tensor& x) const {
+  return mlp_->fc.runs_fp8(x) && mlp_->fc.fp8_binding().scaling->per_tensor();
+}
 
 Tensor LayerNormMLP::forward(Context& ctx, const Tensor& x, Norm::Saved& norm_saved, MLP::Saved& mlp_saved) const {
   if (runs_fp8(x)) return mlp_->forward(ctx, norm_->forward_fp8(ctx, x, mlp_->fc.fp8_binding(), norm_saved), mlp_saved);

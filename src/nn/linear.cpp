@@ -48,7 +48,14 @@ bool Linear::runs_fp8(int64_t rows, DType dtype) const {
 Tensor Linear::forward(Context& ctx, const Tensor& x, Saved& saved) const {
   TESSERA_CHECK(x.dim() == 2 && x.size(1) == in_, "Linear ", weight.name, ": input must be [N, ", in_, "], got ",
                 x.describe());
-  if (runs_fp8(x)) return forward(ctx, fp8_.scaling->quantize(ctx, x, fp8_.layer, Fp8Scaling::kInput), saved);
+  if (runs_fp8(x)) {
+    switch (fp8_.scaling->kind()) {
+      case Fp8Scaling::Kind::Block: return forward_block(ctx, x, saved);
+      case Fp8Scaling::Kind::Mxfp8: return forward_mx(ctx, x, saved);
+      case Fp8Scaling::Kind::PerTensor: break;
+    }
+    return forward(ctx, fp8_.scaling->quantize(ctx, x, fp8_.layer, Fp8Scaling::kInput), saved);
+  }
   saved.fp8 = false;
   Tensor y = Tensor::empty({x.size(0), out_}, weight.value.dtype(), ctx.device);
   gemm(ctx, x, weight.value, y, {.transpose_b = true}, bias.value);
@@ -62,8 +69,11 @@ Tensor Linear::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved
   TESSERA_CHECK(runs_fp8(x.rows(), DType::BF16), "Linear ", weight.name,
                 ": an FP8 input needs an FP8 binding, a BF16 weight and rows, in and out multiples of 16 (rows ",
                 x.rows(), ", ", in_, " -> ", out_, ")");
+  TESSERA_CHECK(fp8_.scaling->per_tensor(), "Linear ", weight.name, ": an input cast outside the layer needs a ",
+                "per-tensor recipe, the binding's is \"", fp8_.scaling->recipe().name(), "\"");
   Tensor y = Tensor::empty({x.rows(), out_}, weight.value.dtype(), ctx.device);
   saved.fp8 = true;
+  saved.kind = Fp8Scaling::Kind::PerTensor;
   saved.x = Tensor();
   saved.x_fp8 = x;
   saved.w_fp8 = fp8_.scaling->quantize(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);
@@ -80,7 +90,51 @@ Tensor Linear::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved
   return y;
 }
 
+Tensor Linear::forward_block(Context& ctx, const Tensor& x, Saved& saved) const {
+  Tensor y = Tensor::empty({x.size(0), out_}, weight.value.dtype(), ctx.device);
+  saved.fp8 = true;
+  saved.kind = Fp8Scaling::Kind::Block;
+  saved.x = Tensor();
+  saved.x_block = fp8_.scaling->quantize_block(ctx, x, fp8_.layer, Fp8Scaling::kInput);          // 1x128
+  saved.w_block = fp8_.scaling->quantize_block(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);  // 128x128
+  fp8::Fp8GemmOptions options;
+  options.bias = bias.value;
+  fp8::fp8_gemm_blockwise(ctx, saved.x_block, false, saved.w_block, true, y, options);  // y = x W^T + b
+  // As the per-tensor path: the backward reads x^T (column-wise blocks) and W^T only.
+  for (fp8::BlockQuantizedTensor* q : {&saved.x_block, &saved.w_block})
+    q->data = q->scale_inv = q->gemm_scale_inv = Tensor();
+  return y;
+}
+
+Tensor Linear::forward_mx(Context& ctx, const Tensor& x, Saved& saved) const {
+  Tensor y = Tensor::empty({x.size(0), out_}, weight.value.dtype(), ctx.device);
+  saved.fp8 = true;
+  saved.kind = Fp8Scaling::Kind::Mxfp8;
+  saved.x = Tensor();
+  saved.x_mx = fp8_.scaling->quantize_mx(ctx, x, fp8_.layer, Fp8Scaling::kInput);
+  saved.w_mx = fp8_.scaling->quantize_mx(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);
+  fp8::Fp8GemmOptions options;
+  options.bias = bias.value;
+  fp8::mxfp8_gemm_emulated(ctx, saved.x_mx, false, saved.w_mx, true, y, options);  // y = x W^T + b
+  for (fp8::MxQuantizedTensor* q : {&saved.x_mx, &saved.w_mx}) q->data = q->scales = Tensor();
+  return y;
+}
+
 Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const {
+  if (saved.fp8 && saved.kind == Fp8Scaling::Kind::Block) {
+    saved.dy_block = fp8_.scaling->quantize_block(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput);
+    Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
+    fp8::fp8_gemm_blockwise(ctx, saved.dy_block, false, saved.w_block, false, dx);  // dx = dy W
+    saved.dy_block.data = saved.dy_block.scale_inv = saved.dy_block.gemm_scale_inv = Tensor();
+    return dx;
+  }
+  if (saved.fp8 && saved.kind == Fp8Scaling::Kind::Mxfp8) {
+    saved.dy_mx = fp8_.scaling->quantize_mx(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput);
+    Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
+    fp8::mxfp8_gemm_emulated(ctx, saved.dy_mx, false, saved.w_mx, false, dx);  // dx = dy W
+    saved.dy_mx.data = saved.dy_mx.scales = Tensor();
+    return dx;
+  }
   if (saved.fp8) {
     saved.dy_fp8 = fp8_.scaling->quantize(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput);
     Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
@@ -93,7 +147,39 @@ Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved
   return dx;
 }
 
+Tensor Linear::backward_input(Context& ctx, const fp8::QuantizedTensor& dy, const Saved& saved) const {
+  TESSERA_CHECK(saved.fp8 && saved.kind == Fp8Scaling::Kind::PerTensor, "Linear ", weight.name,
+                ": an FP8 output gradient needs a forward that ran in per-tensor FP8");
+  TESSERA_CHECK(!bias.value.defined(), "Linear ", weight.name,
+                ": an FP8 output gradient cannot serve a layer with a bias (its gradient sums dy)");
+  TESSERA_CHECK(dy.data.defined() && dy.data_t.defined() && dy.data.dim() == 2 && dy.cols() == out_ &&
+                    dy.rows() == saved.x_fp8.rows(),
+                "Linear ", weight.name, ": FP8 output gradient must be [", saved.x_fp8.rows(), ", ", out_,
+                "] with both copies, got ", dy.data.describe());
+  saved.dy_fp8 = dy;
+  Tensor dx = Tensor::empty({dy.rows(), in_}, weight.value.dtype(), ctx.device);
+  fp8::fp8_gemm(ctx, saved.dy_fp8, false, saved.w_fp8, false, dx);  // dx = dy W
+  saved.dy_fp8.data = Tensor();  // backward_weight reads dy^T (data_t) only
+  return dx;
+}
+
 void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+  if (saved.fp8 && saved.kind != Fp8Scaling::Kind::PerTensor) {
+    fp8::Fp8GemmOptions options;
+    options.beta = 1;  // dW += dy^T x, into the FP32 master gradient
+    if (saved.kind == Fp8Scaling::Kind::Block) {
+      TESSERA_CHECK(saved.dy_block.data_t.defined(), "Linear ", weight.name,
+                    ": backward_weight needs backward_input first");
+      fp8::fp8_gemm_blockwise(ctx, saved.dy_block, true, saved.x_block, false, weight.grad, options);
+      saved.dy_block = fp8::BlockQuantizedTensor();
+    } else {
+      TESSERA_CHECK(saved.dy_mx.data_t.defined(), "Linear ", weight.name, ": backward_weight needs backward_input first");
+      fp8::mxfp8_gemm_emulated(ctx, saved.dy_mx, true, saved.x_mx, false, weight.grad, options);
+      saved.dy_mx = fp8::MxQuantizedTensor();
+    }
+    if (bias.value.defined()) bias_grad(ctx, dy, bias.grad);
+    return;
+  }
   if (saved.fp8) {
     TESSERA_CHECK(saved.dy_fp8.data_t.defined(), "Linear ", weight.name, ": backward_weight needs backward_input first");
     fp8::Fp8GemmOptions options;

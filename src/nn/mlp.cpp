@@ -1,9 +1,51 @@
 #include "tessera/nn/mlp.h"
 
+#include <atomic>
+
 #include "tessera/ops/activation.h"
 #include "tessera/ops/gemm.h"
 
 namespace tessera::nn {
+
+namespace {
+
+std::atomic<bool> g_fused_fp8_activation{true};
+
+bool per_tensor_fp8(const Linear& layer) {
+  return layer.fp8_binding().scaling && layer.fp8_binding().scaling->per_tensor();
+}
+
+// Tensor `slot` of `layer` cast as Fp8Scaling::quantize casts it, by `cast(scale, amax_out)`
+// (the fused SwiGLU casts): delayed scaling casts at once with the state's scale, recording
+// the amax in its pending slot; current scaling takes the amax first (`amax(out)`, an amax
+// pass over the same values) and casts with the scale made from it.
+template <typename Amax, typename Cast>
+fp8::QuantizedTensor cast_as_layer(Context& ctx, const Linear& layer, Fp8Scaling::Slot slot, Amax&& amax, Cast&& cast) {
+  Fp8Scaling& scaling = *layer.fp8_binding().scaling;
+  Fp8Scaling::CastTarget target = scaling.cast_target(ctx, layer.fp8_binding().layer, slot);
+  if (scaling.scale_known_before_cast()) return cast(target.scale, &target.amax);
+  amax(target.amax);
+  return cast(scaling.current_scale(ctx, target.amax, slot), nullptr);
+}
+
+// h = swiglu(h_pre) as proj's FP8 input, never stored in BF16 (when fused_swiglu_forward).
+bool fused_swiglu_forward(const MLP& mlp, const Tensor& h_pre) {
+  return mlp.activation == Activation::SwiGLU && g_fused_fp8_activation.load(std::memory_order_relaxed) &&
+         h_pre.dim() == 2 && per_tensor_fp8(mlp.proj) && mlp.proj.runs_fp8(h_pre.size(0), h_pre.dtype());
+}
+
+fp8::QuantizedTensor swiglu_to_fp8(Context& ctx, const MLP& mlp, const Tensor& h_pre) {
+  return cast_as_layer(
+      ctx, mlp.proj, Fp8Scaling::kInput, [&](Tensor& amax) { swiglu_forward_amax(ctx, h_pre, amax); },
+      [&](const Tensor& scale, Tensor* amax) {
+        return swiglu_forward_fp8(ctx, h_pre, scale, mlp.proj.fp8_binding().scaling->dtype(Fp8Scaling::kInput), amax);
+      });
+}
+
+}  // namespace
+
+void MLP::set_fused_fp8_activation(bool on) { g_fused_fp8_activation.store(on); }
+bool MLP::fused_fp8_activation() { return g_fused_fp8_activation.load(); }
 
 MLP::MLP(const std::string& name, int64_t hidden, int64_t ffn, Activation act, bool bias, DType dtype,
          const ParallelContext& parallel)
@@ -12,27 +54,34 @@ MLP::MLP(const std::string& name, int64_t hidden, int64_t ffn, Activation act, b
       proj(name + ".proj", ffn, hidden, bias, dtype, parallel) {}
 
 Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
+  if (activation == Activation::SwiGLU) {
+    saved.h_pre = fc.forward(ctx, x, saved.fc_in);
+    if (fused_swiglu_forward(*this, saved.h_pre))
+      return proj.forward(ctx, swiglu_to_fp8(ctx, *this, saved.h_pre), saved.proj_in);
+    Tensor h = Tensor::empty({x.size(0), proj.in_features()}, x.dtype(), ctx.device);
+    swiglu_forward(ctx, saved.h_pre, h);
+    return proj.forward(ctx, h, saved.proj_in);
+  }
   Tensor h = Tensor::empty({x.size(0), proj.in_features()}, x.dtype(), ctx.device);
-  if (activation == Activation::GELU && fc.runs_fp8(x)) {
+  if (fc.runs_fp8(x)) {
     // In FP8 the GEMM writes h_pre and the activation is its own pass (no FP8 GELU epilogue).
     saved.h_pre = fc.forward(ctx, x, saved.fc_in);
     gelu_forward(ctx, saved.h_pre, h);
-  } else if (activation == Activation::GELU) {
+  } else {
     // fc and GELU in one GEMM (the epilogue applies the activation and keeps h_pre).
     TESSERA_CHECK(x.dim() == 2 && x.size(1) == fc.in_features(), "MLP ", fc.weight.name, ": input must be [N, ",
                   fc.in_features(), "], got ", x.describe());
     saved.fc_in.x = x;
     saved.h_pre = Tensor::empty(h.shape(), x.dtype(), ctx.device);
     gemm_bias_gelu(ctx, x, fc.weight.value, fc.bias.value, saved.h_pre, h, {.transpose_b = true});
-  } else {
-    saved.h_pre = fc.forward(ctx, x, saved.fc_in);
-    swiglu_forward(ctx, saved.h_pre, h);
   }
   return proj.forward(ctx, h, saved.proj_in);
 }
 
 Tensor MLP::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved) const {
   saved.h_pre = fc.forward(ctx, x, saved.fc_in);
+  if (fused_swiglu_forward(*this, saved.h_pre))
+    return proj.forward(ctx, swiglu_to_fp8(ctx, *this, saved.h_pre), saved.proj_in);
   Tensor h = Tensor::empty({x.rows(), proj.in_features()}, saved.h_pre.dtype(), ctx.device);
   if (activation == Activation::GELU) gelu_forward(ctx, saved.h_pre, h);  // as forward's FP8 branch
   else swiglu_forward(ctx, saved.h_pre, h);
@@ -40,6 +89,22 @@ Tensor MLP::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved) c
 }
 
 Tensor MLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
+  if (activation == Activation::SwiGLU && g_fused_fp8_activation.load(std::memory_order_relaxed) &&
+      saved.fc_in.fp8 && saved.fc_in.kind == Fp8Scaling::Kind::PerTensor && per_tensor_fp8(fc) &&
+      !fc.bias.value.defined()) {
+    // d_h_pre straight to fc's FP8 output gradient (never in BF16); without a bias nothing
+    // else reads it. h_pre goes as below.
+    const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
+    const fp8::QuantizedTensor d_h_pre = cast_as_layer(
+        ctx, fc, Fp8Scaling::kGradOutput, [&](Tensor& amax) { swiglu_backward_amax(ctx, saved.h_pre, d_h, amax); },
+        [&](const Tensor& scale, Tensor* amax) {
+          return swiglu_backward_fp8(ctx, saved.h_pre, d_h, scale,
+                                     fc.fp8_binding().scaling->dtype(Fp8Scaling::kGradOutput), amax);
+        });
+    saved.h_pre = Tensor();
+    saved.d_h_pre = Tensor();
+    return fc.backward_input(ctx, d_h_pre, saved.fc_in);
+  }
   saved.d_h_pre = Tensor::empty(saved.h_pre.shape(), dy.dtype(), ctx.device);
   if (activation == Activation::GELU && saved.proj_in.fp8) {
     const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);

@@ -33,38 +33,125 @@ void GroupedLinear::backward_weight(Context& ctx, const Tensor& dy, const Tensor
   grouped_linear_backward_weight(ctx, dy, x, splits, dw);
 }
 
+bool GroupedLinear::runs_fp8(DType input) const {
+  // in and out are the K of the forward and dgrad GEMMs (cuBLASLt FP8: multiples of 16); the
+  // wgrad's K, an expert's row count, is padded by the cast (tessera/ops/moe.h).
+  return fp8_.has_value() && input == DType::BF16 && weight.value.dtype() == DType::BF16 && in_ % 16 == 0 &&
+         out_ % 16 == 0;
+}
+
+Tensor GroupedLinear::forward_fp8(Context& ctx, MoEFp8Rows x, Fp8Saved& saved) const {
+  TESSERA_CHECK(runs_fp8(DType::BF16) && x.data.defined() && x.data.dim() == 2 && x.data.size(1) == in_, "GroupedLinear ",
+                weight.name, ": forward_fp8 needs an FP8 setting, a BF16 weight, in and out multiples of 16 and an ",
+                "FP8 input [M, ", in_, "]");
+  saved.w = moe_fp8_quantize_weights(ctx, weight3d(), x.splits, *fp8_);
+  Tensor y = Tensor::empty({x.data.size(0), out_}, weight.value.dtype(), ctx.device);
+  grouped_linear_forward_fp8(ctx, x, saved.w, y);
+  // The backward reads the transposed codes only (dgrad: W^T, wgrad: x^T). The GEMMs queued
+  // above still read the row-wise ones: their blocks serve later work on the same stream.
+  saved.x = std::move(x);
+  saved.x.data = Tensor();
+  for (auto& w : saved.w.experts) w.data = Tensor();
+  return y;
+}
+
+Tensor GroupedLinear::backward_input_fp8(Context& ctx, const Tensor& dy, Fp8Saved& saved, const Tensor& dy_amax) const {
+  TESSERA_CHECK(fp8_.has_value() && saved.x.data_t.defined(), "GroupedLinear ", weight.name,
+                ": backward_input_fp8 needs forward_fp8 first");
+  const DType fp8 = fp8_->gradient_dtype();
+  saved.dy = dy_amax.defined() ? moe_fp8_quantize_rows(ctx, dy, dy_amax, saved.x.splits, fp8, *fp8_)
+                               : moe_fp8_quantize_rows(ctx, dy, saved.x.splits, fp8, *fp8_);
+  Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
+  grouped_linear_backward_input_fp8(ctx, saved.dy, saved.w, dx);
+  saved.dy.data = Tensor();  // the wgrad reads dy^T only
+  saved.w = MoEFp8Weights();
+  return dx;
+}
+
+void GroupedLinear::backward_weight_fp8(Context& ctx, const Fp8Saved& saved) {
+  TESSERA_CHECK(saved.dy.data_t.defined() && saved.x.data_t.defined(), "GroupedLinear ", weight.name,
+                ": backward_weight_fp8 needs forward_fp8 and backward_input_fp8 first");
+  Tensor dw = weight.grad.reshape({experts_, out_, in_});
+  grouped_linear_backward_weight_fp8(ctx, saved.dy, saved.x, dw);
+}
+
 GroupedMLP::GroupedMLP(const std::string& name, int64_t num_experts, int64_t hidden, int64_t ffn, DType dtype)
     : fc(name + ".fc", num_experts, hidden, 2 * ffn, dtype), proj(name + ".proj", num_experts, ffn, hidden, dtype) {}
 
 Tensor GroupedMLP::forward(Context& ctx, const Tensor& x, const Tensor& scale, const std::vector<int64_t>& splits,
                            Saved& saved) const {
-  saved.x = x;
+  saved = Saved();  // nothing of an earlier call (a reused Saved) may survive: e.g. h under recompute
   saved.splits = splits;
-  saved.h_pre = fc.forward(ctx, x, splits);
   saved.scale = scale;
   Tensor ones;
   if (!scale.defined()) {
     ones = Tensor::empty({x.size(0)}, x.dtype());
     for (int64_t i = 0; i < ones.numel(); ++i) ones.set_item(i, 1.0);
     ones = ones.to(ctx.device);
+    saved.scale = ones;
   }
-  saved.h = Tensor::empty({x.size(0), proj.in_features()}, x.dtype(), ctx.device);
-  moe_swiglu_scaled_forward(ctx, saved.h_pre, scale.defined() ? scale : ones, saved.h);
-  if (!scale.defined()) saved.scale = ones;
-  return proj.forward(ctx, saved.h, splits);
+  if (runs_fp8(x)) {
+    // x cast once; the SwiGLU writes h straight to FP8 (two passes over h_pre: amax, cast),
+    // so h never exists in BF16 and only its transposed codes are kept.
+    saved.fp8 = true;
+    const MoEFp8Options& fc_o = *fc.fp8_options();
+    const MoEFp8Options& proj_o = *proj.fp8_options();
+    saved.h_pre = fc.forward_fp8(ctx, moe_fp8_quantize_rows(ctx, x, splits, fc_o.forward_dtype(), fc_o), saved.fc8);
+    MoEFp8Rows h = moe_swiglu_scaled_quantize(ctx, saved.h_pre, saved.scale, splits, proj_o.forward_dtype(), proj_o);
+    return proj.forward_fp8(ctx, std::move(h), saved.proj8);
+  }
+  saved.fp8 = false;
+  saved.x = x;
+  saved.h_pre = fc.forward(ctx, x, splits);
+  Tensor h = Tensor::empty({x.size(0), proj.in_features()}, x.dtype(), ctx.device);
+  moe_swiglu_scaled_forward(ctx, saved.h_pre, saved.scale, h);
+  Tensor out = proj.forward(ctx, h, splits);
+  if (!recompute_activation) saved.h = h;
+  return out;
 }
 
 Tensor GroupedMLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
+  if (saved.fp8) {
+    const Tensor d_h = proj.backward_input_fp8(ctx, dy, saved.proj8);
+    Tensor d_h_pre = Tensor::empty(saved.h_pre.shape(), saved.h_pre.dtype(), ctx.device);
+    saved.d_scale = Tensor::empty(saved.scale.shape(), saved.scale.dtype(), ctx.device);
+    // The SwiGLU backward also reduces d_h_pre's amax, so its FP8 cast needs no amax pass.
+    Tensor d_h_pre_amax = Tensor::empty({1}, DType::F32, ctx.device);
+    moe_swiglu_scaled_backward(ctx, saved.h_pre, saved.scale, d_h, d_h_pre, saved.d_scale, &d_h_pre_amax);
+    saved.h_pre = Tensor();  // nothing reads it again
+    // d_h_pre is fc's dy: cast (kept as its transposed codes for the wgrad), then dropped.
+    return fc.backward_input_fp8(ctx, d_h_pre, saved.fc8, d_h_pre_amax);
+  }
+  // The same kernel on the same inputs as the forward's: the same bits.
+  if (!saved.h.defined()) {
+    saved.h = Tensor::empty({saved.h_pre.size(0), proj.in_features()}, saved.h_pre.dtype(), ctx.device);
+    moe_swiglu_scaled_forward(ctx, saved.h_pre, saved.scale, saved.h);
+  }
   const Tensor d_h = proj.backward_input(ctx, dy, saved.splits);
   saved.d_h_pre = Tensor::empty(saved.h_pre.shape(), saved.h_pre.dtype(), ctx.device);
   saved.d_scale = Tensor::empty(saved.scale.shape(), saved.scale.dtype(), ctx.device);
   moe_swiglu_scaled_backward(ctx, saved.h_pre, saved.scale, d_h, saved.d_h_pre, saved.d_scale);
+  saved.h_pre = Tensor();  // backward_weight reads x, h and d_h_pre only
   return fc.backward_input(ctx, saved.d_h_pre, saved.splits);
 }
 
 void GroupedMLP::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+  if (saved.fp8) {
+    proj.backward_weight_fp8(ctx, saved.proj8);
+    fc.backward_weight_fp8(ctx, saved.fc8);
+    return;
+  }
   proj.backward_weight(ctx, dy, saved.h, saved.splits);
   fc.backward_weight(ctx, saved.d_h_pre, saved.x, saved.splits);
+}
+
+void GroupedMLP::use_fp8(std::optional<MoEFp8Options> options) {
+  fc.use_fp8(options);
+  proj.use_fp8(options);
+}
+
+bool GroupedMLP::runs_fp8(const Tensor& x) const {
+  return x.dim() == 2 && x.size(1) == fc.in_features() && fc.runs_fp8(x.dtype()) && proj.runs_fp8(x.dtype());
 }
 
 void GroupedMLP::parameters(ParameterList& out) {
@@ -77,6 +164,7 @@ MoELayer::MoELayer(const std::string& name, const MoEOptions& o, DType dtype)
       router(name + ".router", o.hidden, o.num_experts, false, dtype),
       experts(name + ".experts", o.num_experts, o.hidden, o.ffn, dtype),
       load(static_cast<size_t>(o.num_experts), 0) {
+  experts.recompute_activation = o.recompute_activation;
   if (o.expert_bias_rate > 0) expert_bias = Tensor::zeros({o.num_experts}, DType::F32);
 }
 
@@ -99,18 +187,21 @@ Tensor MoELayer::forward(Context& ctx, const Tensor& x, Saved& saved) const {
   moe_permute_forward(ctx, x, saved.row_map, saved.probs, permuted, saved.permuted_probs);
   // The per-expert GEMMs need the row counts on the host (a sync on CUDA).
   saved.splits = saved.counts.to(Device::cpu()).to_ints();
-  saved.expert_out = experts.forward(ctx, permuted, saved.permuted_probs, saved.splits, saved.mlp);
+  const Tensor expert_out = experts.forward(ctx, permuted, saved.permuted_probs, saved.splits, saved.mlp);
   Tensor y = Tensor::empty(x.shape(), dt, ctx.device);
-  moe_unpermute_forward(ctx, saved.expert_out, saved.row_map, Tensor(), y);
-  return y;
+  moe_unpermute_forward(ctx, expert_out, saved.row_map, Tensor(), y);
+  return y;  // expert_out [N*k, C] is not kept: the backward of this unweighted sum does not read it
 }
 
 Tensor MoELayer::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
   const int64_t n = dy.size(0), k = options.router.top_k;
-  saved.d_expert_out = Tensor::empty(saved.expert_out.shape(), dy.dtype(), ctx.device);
+  saved.d_expert_out = Tensor::empty({n * k, dy.size(1)}, dy.dtype(), ctx.device);
   Tensor no_probs;
-  moe_unpermute_backward(ctx, saved.expert_out, saved.row_map, Tensor(), dy, saved.d_expert_out, no_probs);
+  // Without probabilities the op does not read expert_out (only its shape is checked), so
+  // the output stands in for the freed forward tensor.
+  moe_unpermute_backward(ctx, saved.d_expert_out, saved.row_map, Tensor(), dy, saved.d_expert_out, no_probs);
   const Tensor d_permuted = experts.backward_input(ctx, saved.d_expert_out, saved.mlp);
+  if (saved.mlp.fp8) saved.d_expert_out = Tensor();  // proj keeps its FP8 cast for the wgrad
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.device);
   Tensor d_probs = Tensor::empty({n, k}, saved.probs.dtype(), ctx.device);
   moe_permute_backward(ctx, saved.row_map, d_permuted, saved.mlp.d_scale, dx, d_probs);

@@ -100,12 +100,10 @@ fp8::QuantizedTensor Norm::cast_fp8(Context& ctx, const Tensor& x, const Tensor*
   }
   if (cast_in_pass) return fp8::quantized_from_codes(ctx, out.q, target.scale);
   const Tensor scale = scaling.current_scale(ctx, out.amax, Fp8Scaling::kInput);
-  Tensor q = Tensor::empty(x.shape(), code, ctx.device);
+  // The apply pass writes the codes and their transposed copy together (no transpose pass).
   if (kind == NormKind::LayerNorm)
-    layernorm_apply_fp8(ctx, saved.x, weight.value, bias.value, saved.mean, saved.rstd, scale, q);
-  else
-    rmsnorm_apply_fp8(ctx, saved.x, weight.value, saved.rstd, scale, q);
-  return fp8::quantized_from_codes(ctx, q, scale);
+    return layernorm_apply_fp8_with_transpose(ctx, saved.x, weight.value, bias.value, saved.mean, saved.rstd, scale);
+  return rmsnorm_apply_fp8_with_transpose(ctx, saved.x, weight.value, saved.rstd, scale);
 }
 
 void Norm::parameters(ParameterList& out) {

@@ -26,6 +26,7 @@ MoEOptions moe_options(const models::ModelConfig& c) {
   o.router.z_loss_coeff = c.router_z_loss_coef;
   o.router.capacity_factor = c.capacity_factor;
   o.expert_bias_rate = c.expert_bias_rate;
+  o.recompute_activation = c.moe_recompute_activation;
   return o;
 }
 

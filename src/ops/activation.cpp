@@ -2,8 +2,11 @@
 
 #include "backend/cpu/activation.h"
 #include "dispatch.h"
+#include "tessera/ops/quantize.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/gemm_fp8.h"
+#include "backend/cuda/swiglu_fp8.h"
 #endif
 
 namespace tessera {
@@ -100,6 +103,111 @@ void swiglu_backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& dx
     fail_no_kernel(op, ctx);
   }
   cpu::swiglu_backward(x, dy, dx);
+}
+
+namespace {
+
+// x [rows, 2F] (and dy [rows, F]) of the fused FP8 forms.
+void check_fused_inputs(Context& ctx, const Tensor& x, const Tensor* dy, const char* op) {
+  check_defined(x, op, "x");
+  check_operand(x, op, "x");
+  TESSERA_CHECK(x.dim() == 2, op, ": x must be 2-D [rows, 2F], got ", x.describe());
+  const Shape half = swiglu_output_shape(x, op);
+  if (dy) {
+    check_defined(*dy, op, "dy");
+    check_operand(*dy, op, "dy");
+    check_shape(*dy, half, op, "dy");
+    check_dtype(*dy, x.dtype(), op, "dy");
+  }
+  check_on_device(ctx, op, {&x});
+  if (dy) check_on_device(ctx, op, {dy});
+}
+
+// The unfused activation, as the MLP's unfused path writes it.
+Tensor unfused_activation(Context& ctx, const Tensor& x, const Tensor* dy) {
+  if (!dy) {
+    Tensor y = Tensor::empty({x.size(0), x.size(1) / 2}, x.dtype(), ctx.device);
+    swiglu_forward(ctx, x, y);
+    return y;
+  }
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), ctx.device);
+  swiglu_backward(ctx, x, *dy, dx);
+  return dx;
+}
+
+fp8::QuantizedTensor swiglu_fp8(Context& ctx, const Tensor& x, const Tensor* dy, const Tensor& scale, DType fp8,
+                                Tensor* amax_out, const char* op) {
+  check_fused_inputs(ctx, x, dy, op);
+  TESSERA_CHECK(fp8 == DType::E4M3 || fp8 == DType::E5M2, op, ": fp8 must be E4M3 or E5M2, got ", dtype_name(fp8));
+  check_defined(scale, op, "scale");
+  check_dtype(scale, DType::F32, op, "scale");
+  check_shape(scale, {1}, op, "scale");
+  if (amax_out) {
+    check_defined(*amax_out, op, "amax_out");
+    check_dtype(*amax_out, DType::F32, op, "amax_out");
+    check_shape(*amax_out, {1}, op, "amax_out");
+    TESSERA_CHECK(amax_out->raw_data() != scale.raw_data(), op, ": amax_out must not be the scale tensor");
+  }
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    check_on_device(ctx, op, {&scale});
+    if (amax_out) check_on_device(ctx, op, {amax_out});
+    const int64_t rows = x.size(0), cols = dy ? x.size(1) : x.size(1) / 2;
+    fp8::QuantizedTensor q;
+    q.dtype = fp8;
+    q.data = Tensor::empty({rows, cols}, fp8, ctx.device);
+    q.data_t = Tensor::empty({cols, rows}, fp8, ctx.device);
+    if (scale.is_contiguous() && (!amax_out || amax_out->is_contiguous()) &&
+        cuda::swiglu_cast_transpose_supported(x, dy, q.data, q.data_t)) {
+      q.scale_inv = Tensor::empty({1}, DType::F32, ctx.device);
+      cuda::fp8_reciprocal_scale(ctx.stream, scale, q.scale_inv);  // as quantize_with_transpose
+      Tensor no_amax;
+      Tensor& amax = amax_out ? *amax_out : no_amax;
+      if (dy) cuda::swiglu_backward_cast_transpose(ctx.stream, x, *dy, scale, q.data, q.data_t, amax);
+      else cuda::swiglu_forward_cast_transpose(ctx.stream, x, scale, q.data, q.data_t, amax);
+      return q;
+    }
+#endif
+  }
+  return fp8::quantize_with_transpose(ctx, unfused_activation(ctx, x, dy), scale, fp8, amax_out);
+}
+
+void swiglu_amax_op(Context& ctx, const Tensor& x, const Tensor* dy, Tensor& amax_out, const char* op) {
+  check_fused_inputs(ctx, x, dy, op);
+  check_defined(amax_out, op, "amax_out");
+  check_dtype(amax_out, DType::F32, op, "amax_out");
+  check_shape(amax_out, {1}, op, "amax_out");
+  check_on_device(ctx, op, {&amax_out});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    if (cuda::swiglu_amax_supported(x, dy, amax_out)) {
+      if (dy) cuda::swiglu_backward_amax(ctx.stream, x, *dy, amax_out);
+      else cuda::swiglu_forward_amax(ctx.stream, x, amax_out);
+      return;
+    }
+#endif
+  }
+  amax(ctx, unfused_activation(ctx, x, dy), amax_out);
+}
+
+}  // namespace
+
+fp8::QuantizedTensor swiglu_forward_fp8(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
+                                        Tensor* amax_out) {
+  return swiglu_fp8(ctx, x, nullptr, scale, fp8, amax_out, "swiglu_forward_fp8");
+}
+
+fp8::QuantizedTensor swiglu_backward_fp8(Context& ctx, const Tensor& x, const Tensor& dy, const Tensor& scale,
+                                         DType fp8, Tensor* amax_out) {
+  return swiglu_fp8(ctx, x, &dy, scale, fp8, amax_out, "swiglu_backward_fp8");
+}
+
+void swiglu_forward_amax(Context& ctx, const Tensor& x, Tensor& amax_out) {
+  swiglu_amax_op(ctx, x, nullptr, amax_out, "swiglu_forward_amax");
+}
+
+void swiglu_backward_amax(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& amax_out) {
+  swiglu_amax_op(ctx, x, &dy, amax_out, "swiglu_backward_amax");
 }
 
 }  // namespace tessera

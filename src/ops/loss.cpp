@@ -2,10 +2,12 @@
 
 #include "backend/cpu/loss.h"
 #include "dispatch.h"
+#include "tessera/ops/quantize.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/index_error.h"
 #include "backend/cuda/loss.h"
 #include "backend/cuda/loss_accumulate.h"
+#include "backend/cuda/loss_fp8.h"
 #endif
 
 namespace tessera {
@@ -83,6 +85,36 @@ void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& ta
     cpu::cross_entropy_backward(logits.contiguous(), targets, lse, d_loss, packed, options);
     d_logits.copy_from(packed);
   }
+}
+
+void cross_entropy_backward_fp8(Context& ctx, const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                                float d_loss, const Tensor& fp8_scale, Tensor& q, const CrossEntropyOptions& options) {
+  const char* op = "cross_entropy_backward_fp8";
+  check_logits_and_targets(logits, targets, op);
+  check_lse(logits, lse, op);
+  check_contiguous(q, op, "q");
+  TESSERA_CHECK(q.dtype() == DType::E4M3 || q.dtype() == DType::E5M2, op, ": q must be E4M3 or E5M2, got ",
+                q.describe());
+  TESSERA_CHECK(q.dim() == 2 && q.size(0) == logits.size(0) && q.size(1) >= logits.size(1), op, ": q ",
+                q.describe(), " must be [N, W] with W >= V for logits ", logits.describe());
+  check_contiguous(fp8_scale, op, "fp8_scale");
+  check_dtype(fp8_scale, DType::F32, op, "fp8_scale");
+  check_shape(fp8_scale, {1}, op, "fp8_scale");
+  check_on_device(ctx, op, {&logits, &targets, &lse, &fp8_scale, &q});
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    cuda::raise_pending_index_error(ctx.device.index, ctx.stream, op);
+    if (cuda::cross_entropy_backward_fp8_supported(logits, lse, q)) {
+      cuda::cross_entropy_backward_fp8(ctx.stream, logits, targets, lse, d_loss, fp8_scale, q, options.ignore_index);
+      return;
+    }
+#endif
+  }
+  // The BF16 gradient in a scratch buffer whose padding columns are 0, then the cast.
+  Tensor scratch = Tensor::zeros({q.size(0), q.size(1)}, DType::BF16, ctx.device);
+  Tensor d_logits = scratch.slice(1, 0, logits.size(1));
+  cross_entropy_backward(ctx, logits, targets, lse, d_loss, d_logits, options);
+  quantize_per_tensor(ctx, scratch, fp8_scale, q);
 }
 
 void accumulate_weighted_loss(Context& ctx, const Tensor& chunk_losses, const std::vector<double>& weights,

@@ -6,6 +6,7 @@
 #include "backend/cpu/quantize.h"
 #include "dispatch.h"
 #if TESSERA_WITH_CUDA
+#include "backend/cuda/gemm_fp8.h"
 #include "backend/cuda/norm.h"
 #include "backend/cuda/norm_fp8.h"
 #endif
@@ -496,6 +497,54 @@ void layernorm_apply_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, con
 void rmsnorm_apply_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& scale,
                        Tensor& q) {
   norm_apply_fp8(ctx, "rmsnorm_apply_fp8", x, gamma, Tensor(), Tensor(), rstd, scale, q);
+}
+
+namespace {
+// mean undefined: RMSNorm. The fused kernel where it applies, else the apply pass then
+// quantized_from_codes (the same bytes).
+fp8::QuantizedTensor norm_apply_fp8_with_transpose(Context& ctx, const char* op, const Tensor& x, const Tensor& gamma,
+                                                   const Tensor& beta, const Tensor& mean, const Tensor& rstd,
+                                                   const Tensor& scale) {
+  check_defined(x, op, "x");
+  // The argument checks of the plain apply (norm_apply_fp8 repeats them when it runs).
+  const int64_t cols = check_normalized_input(x, op, "x");
+  check_channel_vector(gamma, cols, op, "gamma");
+  if (beta.defined()) check_channel_vector(beta, cols, op, "beta");
+  if (mean.defined()) check_row_stats(mean, x, op, "mean");
+  check_row_stats(rstd, x, op, "rstd");
+  check_scale(scale, op);
+  check_on_device(ctx, op, {&x, &gamma, &beta, &mean, &rstd, &scale});
+  Tensor q = Tensor::empty(x.shape(), DType::E4M3, ctx.device);
+  if (ctx.device.is_cuda() && x.dim() == 2) {
+#if TESSERA_WITH_CUDA
+    fp8::QuantizedTensor out;
+    out.dtype = DType::E4M3;
+    out.data_t = Tensor::empty({x.size(1), x.size(0)}, DType::E4M3, ctx.device);
+    if (scale.is_contiguous() && cuda::norm_apply_fp8_transpose_supported(x, q, out.data_t, gamma, beta)) {
+      out.scale_inv = Tensor::empty({1}, DType::F32, ctx.device);
+      cuda::fp8_reciprocal_scale(ctx.stream, scale, out.scale_inv);
+      cuda::norm_apply_fp8_transpose(ctx.stream, x, gamma, beta, mean, rstd, scale, q, out.data_t);
+      out.data = q;
+      return out;
+    }
+#endif
+  }
+  norm_apply_fp8(ctx, op, x, gamma, beta, mean, rstd, scale, q);
+  return fp8::quantized_from_codes(ctx, q, scale);
+}
+}  // namespace
+
+fp8::QuantizedTensor layernorm_apply_fp8_with_transpose(Context& ctx, const Tensor& x, const Tensor& gamma,
+                                                        const Tensor& beta, const Tensor& mean, const Tensor& rstd,
+                                                        const Tensor& scale) {
+  check_defined(mean, "layernorm_apply_fp8_with_transpose", "mean");
+  return norm_apply_fp8_with_transpose(ctx, "layernorm_apply_fp8_with_transpose", x, gamma, beta, mean, rstd, scale);
+}
+
+fp8::QuantizedTensor rmsnorm_apply_fp8_with_transpose(Context& ctx, const Tensor& x, const Tensor& gamma,
+                                                      const Tensor& rstd, const Tensor& scale) {
+  return norm_apply_fp8_with_transpose(ctx, "rmsnorm_apply_fp8_with_transpose", x, gamma, Tensor(), Tensor(), rstd,
+                                       scale);
 }
 
 }  // namespace tessera

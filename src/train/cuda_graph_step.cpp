@@ -18,6 +18,9 @@ std::optional<std::string> cuda_graph_blocker(const RunConfig& config, Device de
   if (!TESSERA_WITH_CUDA) return std::string("this build has no CUDA backend");
   if (config.model.is_moe())
     return std::string("mixture-of-experts models read their per-expert token counts on the host every step");
+  // Every FP8 recipe captures: per-tensor scales and delayed scaling's ring position live on
+  // the device; block and mxfp8 keep no state and their casts, scale rearrangement and GEMMs
+  // read nothing on the host.
   if (distributed)
     return std::string("runs over several ranks (data or tensor parallel) reduce across ranks and read the global "
                        "gradient norm on the host between backward and the optimizer");

@@ -32,8 +32,10 @@ struct BlockQuantizedTensor {
   // fp8_gemm_blockwise rearranges into a temporary.
   Tensor gemm_scale_inv, gemm_scale_inv_t;
 
-  int64_t rows() const { return data.size(0); }
-  int64_t cols() const { return data.size(1); }
+  // The logical [M, K], also when one copy was dropped (nn::Linear keeps only what its
+  // backward reads; fp8_gemm_blockwise needs only the copy of the orientation it uses).
+  int64_t rows() const { return data.defined() ? data.size(0) : data_t.size(1); }
+  int64_t cols() const { return data.defined() ? data.size(1) : data_t.size(0); }
   bool is_2d() const { return blocks.block_rows == 128; }  // 128x128 tiles (else 1x128)
 };
 

@@ -67,6 +67,9 @@ struct Mxfp8Config {
 // Only the keys of the chosen recipe are accepted; missing keys take the defaults above.
 struct Recipe {
   std::variant<DelayedScalingConfig, CurrentScalingConfig, BlockScalingConfig, Mxfp8Config> config;
+  // `lm_head` (any recipe; default false): the LM head's GEMMs in FP8 too, per-tensor scaled
+  // whatever the recipe (TransformerLM::use_fp8_lm_head; docs/fp8.md, "FP8 LM head").
+  bool lm_head = false;
 
   std::string name() const;  // "delayed", "current", "block" or "mxfp8"
   // `where` names the section in error messages, e.g. "fp8" gives "fp8.margin".

@@ -37,6 +37,9 @@ struct ModelConfig {
   float router_z_loss_coef = 0.0f;
   float capacity_factor = 0.0f;          // > 0: token dropping
   float expert_bias_rate = 0.0f;         // > 0: auxiliary-loss-free balancing bias
+  // Recompute the experts' SwiGLU output in the backward instead of keeping it (BF16 path;
+  // bit-identical; saves M x ffn x 2 bytes per MoE layer, nn::GroupedMLP).
+  bool moe_recompute_activation = false;
 
   bool is_gpt2() const { return architecture == "gpt2"; }
   bool is_moe() const { return architecture == "mixtral"; }

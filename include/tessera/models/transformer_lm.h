@@ -22,9 +22,11 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
+#include "tessera/fp8/recipe.h"
 #include "tessera/models/config.h"
 #include "tessera/nn/norm.h"
 #include "tessera/nn/parallel_layout.h"
@@ -75,7 +77,26 @@ class TransformerLM {
   // Mean loss only, no gradients (cross-entropy only, also for MoE models).
   double forward_loss(Context& ctx, const Tensor& inputs, const Tensor& targets);
   // Logits [B, T, V] (F32) for all positions; for generation and `eval --dump-logits`.
+  // (Always the BF16/F32 head, also with the FP8 head on.)
   Tensor logits(Context& ctx, const Tensor& inputs);
+
+  // The LM head alone on a final-norm output h [N, C] (the model's dtype, on ctx's device):
+  // the mean cross-entropy against targets [N] (any device; kIgnoreIndex rows skipped), and
+  // with d_h ([N, C], overwritten) also dL/dh times `scale`, the head weight's gradient
+  // (times `scale`) ACCUMULATED. What forward_backward runs after the final norm; for tests.
+  double head_forward_backward(Context& ctx, const Tensor& h, const Tensor& targets, Tensor* d_h, float scale = 1.0f);
+
+  // ---- FP8 LM head (option `fp8.lm_head`, off by default; docs/fp8.md) ----
+  // With a format set, a BF16 model runs its head's three GEMMs in FP8 with per-tensor
+  // scales, whatever the blocks' recipe: W (all padded rows) and h cast to E4M3 with current
+  // scaling (their own amax, margin 0) once per call, the logits GEMM with fast accumulation,
+  // dlogits cast per chunk to the format's gradient dtype (E5M2 for hybrid) with a STATIC
+  // scale, fp8_max * valid_targets / |scale|, from the bound |dlogits| <= |scale| / valid
+  // (|softmax - onehot| <= 1), so no amax pass; dh and dW without fast accumulation, dW into
+  // the F32 gradient with beta = 1. Calls whose rows, hidden size or (padded) vocabulary are
+  // not multiples of 16, or a non-BF16 model, run the BF16 head. Not under tensor parallelism.
+  void use_fp8_lm_head(std::optional<fp8::Format> format);
+  bool fp8_lm_head() const { return fp8_head_format_.has_value(); }
 
   // Mixture of experts: the aux-loss part of the last forward_backward's value; the kept
   // tokens per expert of each MoE layer since the last update_expert_biases() (empty for
@@ -187,6 +208,11 @@ class TransformerLM {
   // On CUDA with a vocabulary that is not a multiple of 64: the head weight's value and
   // gradient with zero padding rows; the Parameter holds views of their first V rows.
   Tensor head_value_padded_, head_grad_padded_;
+  // The FP8 head's format (unset: BF16 head), and a device F32 [1] 1.0 the static dlogits
+  // scale is made from by a scale kernel (no host copy per call, so a CUDA graph captures it).
+  std::optional<fp8::Format> fp8_head_format_;
+  Tensor fp8_head_one_;
+  bool head_runs_fp8(int64_t rows, const Tensor& h, const Tensor& w_full) const;
   // Position ids [B*T] (i % T) on the device for GPT-2's position-embedding backward,
   // cached for the last (batch, seq) shape.
   Tensor positions_;

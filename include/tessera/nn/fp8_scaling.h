@@ -1,20 +1,30 @@
 // FP8 for the linear layers of a model: the recipe and the scaling state they share.
 //
 // A linear layer in FP8 quantizes three tensors: its input and its weight (forward role,
-// E4M3) and the gradient of its output (gradient role: E5M2 under the hybrid format). Each
-// is per-tensor scaled, either from its own amax just before the cast ("current": one amax
-// pass and a one-thread scale kernel, nothing read by the host) or from the amax history of
-// earlier steps ("delayed": DeviceDelayedScaling, whose update runs once per step in one
-// launch). The GEMMs then run in FP8 with FP32 accumulation (fp8_gemm: cuBLASLt on CUDA, the
-// dequantized reference on the CPU), the forward one with fast accumulation as Transformer
-// Engine does, the backward ones without. Block scaling and MXFP8 are not wired into the
-// layers yet.
+// E4M3) and the gradient of its output (gradient role: E5M2 under the hybrid format). The
+// recipes (fp8/recipe.h):
+//  - "current" / "delayed" (per-tensor): one scale per tensor, either from its own amax just
+//    before the cast ("current": one amax pass and a one-thread scale kernel, nothing read by
+//    the host) or from the amax history of earlier steps ("delayed": DeviceDelayedScaling,
+//    whose update runs once per step in one launch). quantize() gives a QuantizedTensor; the
+//    GEMMs run in FP8 with FP32 accumulation (fp8_gemm: cuBLASLt on CUDA, the dequantized
+//    reference on the CPU), the forward one with fast accumulation as Transformer Engine
+//    does, the backward ones without.
+//  - "block": one scale per 1x128 block of the input and of the output gradient, per 128x128
+//    tile of the weight (quantize_block: a BlockQuantizedTensor with both orientations, each
+//    blocked along its own K), multiplied by cuBLASLt's block-scaled FP8 GEMMs on CUDA and
+//    the dequantized reference on the CPU (fp8_gemm_blockwise). No state.
+//  - "mxfp8": 1x32 blocks with E8M0 scales for all three tensors (quantize_mx), EMULATED on
+//    both devices (Hopper has no MXFP8 tensor cores): dequantized to BF16, BF16 GEMM
+//    (fp8::mxfp8_gemm_emulated). The numerics of the recipe, no speed gain. No state.
 #pragma once
 
 #include <memory>
 #include <optional>
 
+#include "tessera/fp8/block_quantized_tensor.h"
 #include "tessera/fp8/device_scaling.h"
+#include "tessera/fp8/mx_quantized_tensor.h"
 #include "tessera/fp8/quantized_tensor.h"
 #include "tessera/fp8/recipe.h"
 
@@ -25,20 +35,33 @@ class Fp8Scaling {
   // Which of a linear layer's three tensors.
   enum Slot { kInput = 0, kWeight = 1, kGradOutput = 2 };
 
-  // State for `num_linears` layers on ctx.device. Recipes "current" and "delayed" only:
-  // others throw naming the recipe.
+  // How the recipe scales: one scale per tensor (current, delayed), 1x128 / 128x128 blocks
+  // (block), or MXFP8's 1x32 E8M0 blocks (mxfp8).
+  enum class Kind { PerTensor, Block, Mxfp8 };
+
+  // State for `num_linears` layers on ctx.device, for any of the four recipes.
   Fp8Scaling(Context& ctx, const fp8::Recipe& recipe, int64_t num_linears);
 
   const fp8::Recipe& recipe() const { return recipe_; }
+  Kind kind() const { return kind_; }
+  bool per_tensor() const { return kind_ == Kind::PerTensor; }
   int64_t num_linears() const { return num_linears_; }
+  // The FP8 dtype of tensor `slot` (the recipe's format: E5M2 for kGradOutput under hybrid).
   DType dtype(Slot slot) const;
 
-  // x cast to FP8 with its transposed copy, scaled as the recipe says, for tensor `slot` of
-  // linear `layer`. Under delayed scaling the amax lands in the state's pending slot.
+  // Per-tensor recipes: x cast to FP8 with its transposed copy, scaled as the recipe says, for
+  // tensor `slot` of linear `layer`. Under delayed scaling the amax lands in the state's
+  // pending slot. Throws for block and mxfp8 (quantize_block / quantize_mx).
   fp8::QuantizedTensor quantize(Context& ctx, const Tensor& x, int64_t layer, Slot slot);
+  // "block": x cast in both orientations with the slot's blocks (kWeight: 128x128 tiles; kInput,
+  // kGradOutput: 1x128 blocks, the column-wise copy quantized separately from x^T).
+  fp8::BlockQuantizedTensor quantize_block(Context& ctx, const Tensor& x, int64_t layer, Slot slot) const;
+  // "mxfp8": x cast in both orientations with 1x32 E8M0 blocks.
+  fp8::MxQuantizedTensor quantize_mx(Context& ctx, const Tensor& x, int64_t layer, Slot slot) const;
 
   // For a cast made outside quantize (a norm writing FP8 straight into the linear layer,
-  // ops/norm.h's *_forward_fp8): what tensor `slot` of `layer` is cast with. Delayed scaling:
+  // ops/norm.h's *_forward_fp8), per-tensor recipes only (block and mxfp8 throw: their layers
+  // run the norm unfused, then the block cast): what tensor `slot` of `layer` is cast with. Delayed scaling:
   // its current scale and the pending amax slot the cast writes (the cast can run at once).
   // Current scaling: scale undefined and a fresh amax, which the cast must fill first (the
   // norm's statistics pass); current_scale then gives the scale to cast with.
@@ -53,12 +76,16 @@ class Fp8Scaling {
   void end_micro_batch(Context& ctx);
   void end_step(Context& ctx);
 
-  // Delayed scaling's state, for checkpoints (empty for current scaling).
+  // Delayed scaling's state, for checkpoints (empty for current, block and mxfp8: no history).
   std::map<std::string, Tensor> state_dict() const;
   void load_state_dict(Context& ctx, const std::map<std::string, Tensor>& tensors);
 
  private:
+  void check_layer(int64_t layer) const;
+
   fp8::Recipe recipe_;
+  Kind kind_ = Kind::PerTensor;
+  fp8::Format format_ = fp8::Format::Hybrid;
   int64_t num_linears_;
   std::optional<fp8::DeviceDelayedScaling> delayed_;
   float margin_ = 0;

@@ -1,9 +1,17 @@
 // Linear: y = x W^T + b over the last dimension. W is [out, in] (PyTorch's layout).
 //
 // With an FP8 binding (use_fp8) and BF16 tensors whose sizes the FP8 GEMMs take (rows, in
-// and out multiples of 16), the three GEMMs run in FP8: x and W cast as the recipe says for
-// the forward, the output gradient cast in backward_input; the casts are kept in Saved so
-// each is made once. Otherwise, or without a binding, the layer runs in its own dtype.
+// and out multiples of 16, for every recipe), the three GEMMs run in FP8: x and W cast as the
+// recipe says for the forward, the output gradient cast in backward_input; the casts are kept
+// in Saved so each is made once. Otherwise, or without a binding, the layer runs in its own
+// dtype. Per recipe (Fp8Scaling::kind):
+//  - per-tensor (current, delayed): QuantizedTensor casts, fp8_gemm;
+//  - block: y = x W^T with x in 1x128 blocks along in and W in 128x128 tiles; dx = dy W with
+//    dy in 1x128 blocks along out and W^T's tiles; dW = dy^T x with dy^T and x^T in 1x128
+//    blocks along the tokens (column-wise casts quantized from the tensors themselves, not
+//    transposes of the row-wise codes); fp8_gemm_blockwise (cuBLASLt VEC128 / BLK128x128);
+//  - mxfp8: the same orientations with 1x32 E8M0 blocks, emulated (mxfp8_gemm_emulated: BF16
+//    GEMM of the dequantized operands).
 #pragma once
 
 #include "tessera/nn/fp8_scaling.h"
@@ -22,6 +30,13 @@ class Linear {
     // Cast by backward_input, read by backward_weight (as the layers' d_qkv / d_h_pre are);
     // backward_input drops its row-wise copy after the dx GEMM.
     mutable fp8::QuantizedTensor dy_fp8;
+    // The same three casts under the block and mxfp8 recipes (fp8 is true for them too; kind
+    // says which set is used), with the same copies kept and dropped.
+    Fp8Scaling::Kind kind = Fp8Scaling::Kind::PerTensor;
+    fp8::BlockQuantizedTensor x_block, w_block;
+    mutable fp8::BlockQuantizedTensor dy_block;
+    fp8::MxQuantizedTensor x_mx, w_mx;
+    mutable fp8::MxQuantizedTensor dy_mx;
   };
 
   Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias, DType dtype,
@@ -30,16 +45,23 @@ class Linear {
   Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;              // x [N, in] -> [N, out]
   // The FP8 forward from an input already cast for this layer (tensor kInput of its binding,
   // e.g. by a norm with an FP8 output: LayerNormLinear), kept as saved.x_fp8. Needs a binding
-  // and the sizes runs_fp8 asks for (rows, in, out multiples of 16; BF16 weight).
+  // of a per-tensor recipe and the sizes runs_fp8 asks for (rows, in, out multiples of 16;
+  // BF16 weight).
   Tensor forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved) const;
   Tensor backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const;  // -> dx [N, in]
+  // The per-tensor FP8 backward from an output gradient already cast for this layer (tensor
+  // kGradOutput of its binding, with its transposed copy: e.g. by the SwiGLU backward with
+  // an FP8 output, MLP), kept as saved.dy_fp8 for backward_weight (whose dy argument is then
+  // not read). Needs a forward that ran in per-tensor FP8, and no bias (its gradient sums
+  // dy in BF16: such layers cast dy themselves).
+  Tensor backward_input(Context& ctx, const fp8::QuantizedTensor& dy, const Saved& saved) const;
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);
 
   // Run this layer's GEMMs in FP8 (see above); an empty binding turns FP8 off.
   void use_fp8(Fp8Binding binding) { fp8_ = std::move(binding); }
   const Fp8Binding& fp8_binding() const { return fp8_; }
-  // Whether forward(x) takes the FP8 path.
+  // Whether forward(x) takes the FP8 path (any recipe).
   bool runs_fp8(const Tensor& x) const;
   // The same for an input of `rows` rows of `dtype` (what a norm in front of it produces).
   bool runs_fp8(int64_t rows, DType dtype) const;
@@ -49,6 +71,9 @@ class Linear {
   Parameter weight, bias;  // bias undefined when the layer has none
 
  private:
+  Tensor forward_block(Context& ctx, const Tensor& x, Saved& saved) const;
+  Tensor forward_mx(Context& ctx, const Tensor& x, Saved& saved) const;
+
   int64_t in_, out_;
   Fp8Binding fp8_;
 };

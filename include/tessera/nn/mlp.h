@@ -14,7 +14,8 @@ class MLP {
     Linear::Saved fc_in, proj_in;
     Tensor h_pre;   // fc output, before the activation (released by backward_input)
     Tensor d_h_pre; // filled by backward_input, consumed by backward_weight (not kept when fc
-                    // runs in FP8 without a bias: its weight gradient reads fc_in.dy_fp8)
+                    // runs in FP8 without a bias: its weight gradient reads fc_in.dy_fp8, which
+                    // the fused SwiGLU backward writes without d_h_pre ever existing in BF16)
   };
   MLP(const std::string& name, int64_t hidden, int64_t ffn, Activation activation, bool bias, DType dtype,
       const ParallelContext& parallel = {});
@@ -27,6 +28,15 @@ class MLP {
   Tensor backward_input(Context& ctx, const Tensor& dy, Saved& saved) const;
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);
+
+  // SwiGLU in per-tensor FP8 (current or delayed scaling): the activation writes proj's FP8
+  // input, and its backward fc's FP8 output gradient (when fc has no bias), straight from
+  // one kernel each (ops/activation.h's swiglu_*_fp8; current scaling adds an amax pass over
+  // the same values), instead of writing h / d_h_pre in BF16 for the layers to cast. The
+  // bytes are the same either way; on by default, the switch is for tests and benchmarks.
+  // Process-wide (read when a forward or backward runs).
+  static void set_fused_fp8_activation(bool on);
+  static bool fused_fp8_activation();
 
   Activation activation;
   Linear fc, proj;

@@ -9,6 +9,7 @@
 // router, the routing map and the permutation themselves run without host syncs.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "tessera/nn/linear.h"
@@ -19,14 +20,39 @@ namespace tessera::nn {
 // E linear layers y_e = x_e W_e^T, no bias. weight is one Parameter [E * out, in]: expert
 // e's [out, in] matrix is rows [e * out, (e + 1) * out) (the layout the op reads as
 // [E, out, in]).
+//
+// FP8 (use_fp8; docs/ops/moe.md, "FP8"): with BF16 input and weight and in, out multiples
+// of 16, the three grouped GEMMs can run in FP8 through the *_fp8 methods: the input cast
+// once (one current scale, padded transposed copy), each expert's weight with its own scale,
+// the output gradient cast in backward_input_fp8; any split sizes (the padding rule of
+// tessera/ops/moe.h). The Tensor methods above stay the BF16 path, unchanged.
 class GroupedLinear {
  public:
+  // What the FP8 backward reads, kept between the calls: after the forward only the
+  // transposed codes of x and W (data_t), after backward_input_fp8 only dy's data_t.
+  struct Fp8Saved {
+    MoEFp8Rows x, dy;
+    MoEFp8Weights w;
+  };
   GroupedLinear(const std::string& name, int64_t num_experts, int64_t in_features, int64_t out_features, DType dtype);
   Tensor forward(Context& ctx, const Tensor& x, const std::vector<int64_t>& splits) const;  // [M, in] -> [M, out]
   Tensor backward_input(Context& ctx, const Tensor& dy, const std::vector<int64_t>& splits) const;
   void backward_weight(Context& ctx, const Tensor& dy, const Tensor& x, const std::vector<int64_t>& splits);
   void parameters(ParameterList& out) { out.push_back(&weight); }
   Tensor weight3d() const { return weight.value.reshape({experts_, out_, in_}); }
+
+  // FP8: an empty optional turns it off.
+  void use_fp8(std::optional<MoEFp8Options> options) { fp8_ = options; }
+  const std::optional<MoEFp8Options>& fp8_options() const { return fp8_; }
+  // Whether the layer has an FP8 setting and the dtypes and sizes the FP8 path takes.
+  bool runs_fp8(DType input) const;
+  // y [M, out] (BF16) from x already cast (saved.x keeps x; its row-wise codes are dropped).
+  Tensor forward_fp8(Context& ctx, MoEFp8Rows x, Fp8Saved& saved) const;
+  // dx [M, in] (BF16); casts dy (the recipe's gradient format) into saved.dy. dy_amax
+  // (F32 [1]), when given, is dy's amax already reduced (no amax pass).
+  Tensor backward_input_fp8(Context& ctx, const Tensor& dy, Fp8Saved& saved, const Tensor& dy_amax = Tensor()) const;
+  // dW += dy^T x per expert, into the F32 gradient (the caller frees saved afterwards).
+  void backward_weight_fp8(Context& ctx, const Fp8Saved& saved);
 
   int64_t num_experts() const { return experts_; }
   int64_t in_features() const { return in_; }
@@ -35,6 +61,7 @@ class GroupedLinear {
 
  private:
   int64_t experts_, in_, out_;
+  std::optional<MoEFp8Options> fp8_;
 };
 
 // fc: [gate | up] per expert (2 * ffn outputs), proj: ffn -> hidden. The routing
@@ -42,10 +69,17 @@ class GroupedLinear {
 // expert's output, as Mixtral does).
 class GroupedMLP {
  public:
+  // What the backward reads (sizes for Mixtral, M = 16384 rows, hidden 4096, ffn 14336, BF16):
+  //   x [M, hidden] (128 MiB; fc's weight gradient), h_pre [M, 2 ffn] (896 MiB; the SwiGLU
+  //   backward, freed by backward_input), h [M, ffn] (448 MiB; proj's weight gradient, not
+  //   kept with recompute_activation: backward_input recomputes it from h_pre), scale [M].
+  // The FP8 path keeps instead x and h as transposed FP8 codes (64 and 224 MiB) and h_pre.
   struct Saved {
     Tensor x, h_pre, h, scale;
     std::vector<int64_t> splits;
-    Tensor d_h_pre, d_scale;  // filled by backward_input
+    Tensor d_h_pre, d_scale;  // filled by backward_input (d_h_pre: BF16 path only)
+    bool fp8 = false;
+    GroupedLinear::Fp8Saved fc8, proj8;  // the FP8 path's casts
   };
   GroupedMLP(const std::string& name, int64_t num_experts, int64_t hidden, int64_t ffn, DType dtype);
   // x [M, hidden] expert-contiguous rows, scale [M] (undefined: 1).
@@ -56,7 +90,14 @@ class GroupedMLP {
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);
 
+  // FP8 for both GEMM layers (and the fused SwiGLU -> FP8 cast between them); empty: off.
+  void use_fp8(std::optional<MoEFp8Options> options);
+  bool runs_fp8(const Tensor& x) const;
+
   GroupedLinear fc, proj;
+  // Recompute h = SwiGLU(h_pre) * scale in backward_input instead of keeping it from the
+  // forward (BF16 path; bit-identical, one more pass over h_pre). Config: model.moe_recompute_activation.
+  bool recompute_activation = false;
 };
 
 struct MoEOptions {
@@ -64,13 +105,15 @@ struct MoEOptions {
   RouterOptions router;
   // > 0: auxiliary-loss-free balancing; update_expert_bias() moves the bias by this much.
   float expert_bias_rate = 0.0f;
+  bool recompute_activation = false;  // GroupedMLP::recompute_activation
 };
 
 class MoELayer {
  public:
   struct Saved {
     Linear::Saved router_in;
-    Tensor logits, scores, probs, indices, counts, losses, row_map, offsets, permuted_probs, expert_out;
+    // expert_out is not kept (the unweighted unpermute's backward does not read it).
+    Tensor logits, scores, probs, indices, counts, losses, row_map, offsets, permuted_probs;
     std::vector<int64_t> splits;  // kept tokens per expert (host copy of counts)
     GroupedMLP::Saved mlp;
     Tensor d_logits, d_expert_out;  // filled by backward_input

@@ -8,6 +8,7 @@
 
 #include "tessera/core/context.h"
 #include "tessera/core/tensor.h"
+#include "tessera/fp8/quantized_tensor.h"
 
 namespace tessera {
 
@@ -30,5 +31,23 @@ void swiglu_forward(Context& ctx, const Tensor& x, Tensor& y);
 //   dup   = dy * silu(g)                                        (columns [F, 2F))
 // dx may be the same tensor as x (the forward input is then overwritten).
 void swiglu_backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& dx);
+
+// ---- SwiGLU fused with the FP8 cast of its output (the FP8 MLP) ----------------------------
+//
+// x is 2-D [rows, 2F] (dy [rows, F]). The result is what the unfused path gives, byte for
+// byte: the activation in x's dtype (swiglu_forward's y / swiglu_backward's dx, as stored),
+// then fp8::quantize_with_transpose of it with `scale` (F32 [1]) to `fp8` (E4M3 or E5M2),
+// amax_out (F32 [1], when non-null; it must not be scale) receiving max |activation|. On
+// CUDA, BF16 x with F % 8 == 0 and rows % 8 == 0 runs one kernel that never writes the
+// activation (backend/cuda/swiglu_fp8.cu); anything else, and the CPU, runs the unfused ops.
+fp8::QuantizedTensor swiglu_forward_fp8(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
+                                        Tensor* amax_out = nullptr);
+fp8::QuantizedTensor swiglu_backward_fp8(Context& ctx, const Tensor& x, const Tensor& dy, const Tensor& scale,
+                                         DType fp8, Tensor* amax_out = nullptr);
+
+// amax_out (F32 [1]) = max |activation| of the same activation, nothing else kept: current
+// scaling's statistic, taken before the cast above (amax's NaN rule: a NaN gives NaN).
+void swiglu_forward_amax(Context& ctx, const Tensor& x, Tensor& amax_out);
+void swiglu_backward_amax(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& amax_out);
 
 }  // namespace tessera

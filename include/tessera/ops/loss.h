@@ -36,6 +36,18 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& tar
 void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& targets, const Tensor& lse,
                             float d_loss, Tensor& d_logits, const CrossEntropyOptions& options = {});
 
+// The FP8 LM head's backward (models/transformer_lm.cpp): q[n, v] = fp8(bf16(d_logits[n, v])
+// * fp8_scale) for v < V, the codes quantize_per_tensor gives for the BF16 gradient that
+// cross_entropy_backward writes, and code 0 for V <= v < W (vocabulary padding). logits
+// [N, V] (row-strided), q [N, W] contiguous E4M3 or E5M2 with W >= V, fp8_scale F32 [1],
+// all on ctx's device; q is OVERWRITTEN. On CUDA, BF16 logits with 16-byte aligned rows and
+// W % 8 == 0 take one kernel (backend/cuda/loss_fp8.cu) that never writes the BF16
+// gradient; otherwise (and on the CPU) the BF16 gradient is written to a scratch buffer and
+// cast. The codes are the same either way (the CUDA backward's and cast's arithmetic).
+void cross_entropy_backward_fp8(Context& ctx, const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                                float d_loss, const Tensor& fp8_scale, Tensor& q,
+                                const CrossEntropyOptions& options = {});
+
 // A training step's loss kept on the device (a step captured into a CUDA graph reads it
 // once, after the replay, instead of once per micro-batch):
 //   total  = 0;  for i in 0..n-1:  total = total + double(chunk_losses[i]) * weights[i]

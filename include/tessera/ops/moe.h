@@ -28,6 +28,8 @@
 
 #include "tessera/core/context.h"
 #include "tessera/core/tensor.h"
+#include "tessera/fp8/quantized_tensor.h"
+#include "tessera/fp8/recipe.h"
 
 namespace tessera {
 
@@ -109,9 +111,11 @@ void moe_unpermute_backward(Context& ctx, const Tensor& expert_out, const Tensor
 //   y[r, c] = scale[r] * silu(gate[r, c]) * up[r, c]      x [M, 2F] = [gate | up], y [M, F]
 // scale [M] any floating dtype.
 void moe_swiglu_scaled_forward(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& y);
-// dx [M, 2F] and d_scale[r] = dot(dy[r], swiglu(x[r])), both OVERWRITTEN.
+// dx [M, 2F] and d_scale[r] = dot(dy[r], swiglu(x[r])), both OVERWRITTEN. With dx_amax
+// (F32 [1]) non-null it also receives max |dx| over the stored dx (NaN if any is NaN), the
+// statistic dx's FP8 cast needs, from the same pass on CUDA.
 void moe_swiglu_scaled_backward(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx,
-                                Tensor& d_scale);
+                                Tensor& d_scale, Tensor* dx_amax = nullptr);
 
 // GroupedLinear: every expert's linear layer in one call.
 //   x [M, K] expert-contiguous rows, w [E, N, K] (PyTorch's [out, in] per expert),
@@ -130,6 +134,88 @@ void grouped_linear_backward_input(Context& ctx, const Tensor& dy, const Tensor&
 // dw[e] += dy_e^T x_e (ACCUMULATES; an expert with no rows leaves its slice unchanged).
 void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor& x,
                                     const std::vector<int64_t>& split_sizes, Tensor& dw);
+
+// ---- FP8 (current scaling) ---------------------------------------------------------------
+// The grouped GEMMs in FP8 (docs/ops/moe.md, "FP8"). Each operand is cast once with one
+// per-tensor scale from its own amax (current scaling; computed on the device), except the
+// weights: each expert's W_e has its own scale, so that one large expert does not crush the
+// resolution of the others.
+//
+// Alignment. cuBLASLt's FP8 GEMMs want K and every row stride a multiple of 16 and 16-byte
+// aligned pointers. The forward (K = in) and dgrad (K = out) GEMMs read row blocks of the
+// row-wise codes, which qualify whenever in and out are multiples of 16, whatever the split
+// sizes. The wgrad GEMM of expert e contracts over its n_e rows: it reads the columns
+// [o_e, o_e + n_e) of the transposed codes, K = n_e. So the transposed copy is written
+// PADDED: expert e's rows start at column p_e = sum_{j<e} round_up(n_j, 16) of a
+// [K, round_up-sum] matrix, the columns in between zero. Zero columns add exact zeros to
+// the FP32 sums, so padding changes no bit, and any split sizes run in FP8. (The
+// permutation itself is not padded: the BF16 path and everything around it see the same
+// tensors as before.)
+struct MoEFp8Options {
+  fp8::Format format = fp8::Format::Hybrid;  // E4M3 for x, W, h; E5M2 for gradients under Hybrid
+  float margin = 0;
+  bool power_of_two_scales = false;
+  // From a recipe: "current" as given; other recipes fall back to current scaling with
+  // their format (and margin), since per-expert delayed or block scales are not wired.
+  static MoEFp8Options from_recipe(const fp8::Recipe& recipe);
+  DType forward_dtype() const { return fp8::fp8_dtype(format, fp8::Role::Forward); }
+  DType gradient_dtype() const { return fp8::fp8_dtype(format, fp8::Role::Gradient); }
+};
+
+// p_e of the padding rule above: E + 1 column offsets (the last is the padded width, a
+// multiple of 16; 0 experts with rows give 0).
+std::vector<int64_t> moe_fp8_padded_offsets(const std::vector<int64_t>& split_sizes);
+
+// An expert-contiguous activation [M, K] in FP8: data [M, K] the codes fp8(x * scale) (zero
+// codes in the rows past the split sum, which no GEMM reads), data_t [K, P] the padded
+// transposed codes (P = padded_offsets[E]), scale_inv F32 [1]. Either copy may be dropped
+// once nothing reads it (data after the forward / dgrad GEMM). The amax covers every row.
+struct MoEFp8Rows {
+  Tensor data, data_t, scale_inv;
+  DType dtype = DType::E4M3;
+  std::vector<int64_t> splits, padded_offsets;
+};
+
+// Each expert's weight [N, K] cast with its own scale (experts without rows are skipped:
+// their entry stays empty). experts[e].data [N, K], data_t [K, N], scale_inv [1].
+struct MoEFp8Weights {
+  std::vector<fp8::QuantizedTensor> experts;
+};
+
+// Current scaling of x [M, K] (F32 or BF16): amax, scale, then the cast with the padded
+// transpose. On CUDA the cast and both copies are one kernel (backend/cuda/moe_fp8.cu).
+MoEFp8Rows moe_fp8_quantize_rows(Context& ctx, const Tensor& x, const std::vector<int64_t>& split_sizes, DType fp8,
+                                 const MoEFp8Options& options);
+// The same with x's amax (F32 [1]) already known (e.g. from moe_swiglu_scaled_backward).
+MoEFp8Rows moe_fp8_quantize_rows(Context& ctx, const Tensor& x, const Tensor& x_amax,
+                                 const std::vector<int64_t>& split_sizes, DType fp8, const MoEFp8Options& options);
+// The same cast with a given scale (F32 [1] on ctx.device): the building block, for tests.
+MoEFp8Rows moe_fp8_cast_rows(Context& ctx, const Tensor& x, const Tensor& scale, const std::vector<int64_t>& split_sizes,
+                             DType fp8);
+// w [E, N, K]: experts with split_sizes[e] > 0 cast with their own current scale.
+MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std::vector<int64_t>& split_sizes,
+                                       const MoEFp8Options& options);
+
+// The SwiGLU scaled by the routing probability (moe_swiglu_scaled_forward's h) straight to
+// FP8: h is computed in float and never stored in BF16. Two passes over x [M, 2F]: the amax
+// of h (computed on the fly), then the cast of h (recomputed) with both copies. With a
+// scale given, only the cast pass runs (moe_swiglu_scaled_cast).
+MoEFp8Rows moe_swiglu_scaled_quantize(Context& ctx, const Tensor& x, const Tensor& scale,
+                                      const std::vector<int64_t>& split_sizes, DType fp8, const MoEFp8Options& options);
+// amax_out F32 [1] = max |h| (NaN if any h is NaN).
+void moe_swiglu_scaled_amax(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& amax_out);
+MoEFp8Rows moe_swiglu_scaled_cast(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& fp8_scale,
+                                  const std::vector<int64_t>& split_sizes, DType fp8);
+
+// The FP8 grouped GEMMs, per expert fp8_gemm (cuBLASLt on CUDA, the dequantized reference
+// on the CPU); the same row conventions as the BF16 ones:
+//   forward  y_e  = x_e W_e^T     (x.data; fast accumulation, as Transformer Engine's forward)
+//   dgrad    dx_e = dy_e W_e      (dy.data, W's data_t), OVERWRITTEN
+//   wgrad    dw_e += dy_e^T x_e   (both padded data_t; F32 dw, beta = 1), ACCUMULATES
+// y / dx rows past the split sum are zero.
+void grouped_linear_forward_fp8(Context& ctx, const MoEFp8Rows& x, const MoEFp8Weights& w, Tensor& y);
+void grouped_linear_backward_input_fp8(Context& ctx, const MoEFp8Rows& dy, const MoEFp8Weights& w, Tensor& dx);
+void grouped_linear_backward_weight_fp8(Context& ctx, const MoEFp8Rows& dy, const MoEFp8Rows& x, Tensor& dw);
 
 // How many CUDA streams GroupedLinear spreads its experts' GEMMs over (process-wide; 1, the
 // default: every GEMM on the context's stream, one after another; at most 4, more act as 4).

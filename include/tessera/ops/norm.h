@@ -15,6 +15,7 @@
 
 #include "tessera/core/context.h"
 #include "tessera/core/tensor.h"
+#include "tessera/fp8/quantized_tensor.h"
 
 namespace tessera {
 
@@ -110,5 +111,17 @@ void layernorm_apply_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, con
                          const Tensor& rstd, const Tensor& scale, Tensor& q);
 void rmsnorm_apply_fp8(Context& ctx, const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& scale,
                        Tensor& q);
+
+// The same pass returning the QuantizedTensor the linear layer takes: data = q as above,
+// data_t its transpose, scale_inv = 1.0f / scale[0] (as fp8::quantized_from_codes makes
+// them, so the result equals the apply followed by quantized_from_codes byte for byte). On
+// CUDA, a 2-D BF16 x with rows and C multiples of 8 writes both copies in one pass
+// (backend/cuda/norm_fp8.cu, norm_apply_fp8_transpose) instead of the apply and a byte
+// transpose; anything else runs those two.
+fp8::QuantizedTensor layernorm_apply_fp8_with_transpose(Context& ctx, const Tensor& x, const Tensor& gamma,
+                                                        const Tensor& beta, const Tensor& mean, const Tensor& rstd,
+                                                        const Tensor& scale);
+fp8::QuantizedTensor rmsnorm_apply_fp8_with_transpose(Context& ctx, const Tensor& x, const Tensor& gamma,
+                                                      const Tensor& rstd, const Tensor& scale);
 
 }  // namespace tessera

@@ -305,7 +305,9 @@ void moe_unpermute_backward(const Tensor& expert_out, const Tensor& row_map, con
   dispatch_compute_type(expert_out.dtype(), [&](auto zero) {
     using T = decltype(zero);
     const int64_t n_tokens = dy.size(0), width = dy.size(1), k = row_map.size(1), rows = expert_out.size(0);
-    ReadBuffer<T> in(expert_out), p(probs), g(dy);
+    // expert_out is read for d_probs only (MoELayer frees it and passes another tensor).
+    const bool want_dot = probs.defined() && d_probs.defined();
+    ReadBuffer<T> in(want_dot ? expert_out : Tensor()), p(probs), g(dy);
     WriteBuffer<T> out(d_expert_out);
     std::fill(out.data(), out.data() + rows * width, T(0));
     const int32_t* map = row_map.data<int32_t>();
@@ -315,13 +317,12 @@ void moe_unpermute_backward(const Tensor& expert_out, const Tensor& row_map, con
       if (r < 0) continue;
       const T w = probs.defined() ? p[a] : T(1);
       const T* gy = g.data() + (a / k) * width;
-      const T* src = in.data() + int64_t(r) * width;
       T* dst = out.data() + int64_t(r) * width;
+      for (int64_t c = 0; c < width; ++c) dst[c] = w * gy[c];
+      if (!want_dot) continue;
+      const T* src = in.data() + int64_t(r) * width;
       double dot = 0;
-      for (int64_t c = 0; c < width; ++c) {
-        dst[c] = w * gy[c];
-        dot += double(gy[c]) * src[c];
-      }
+      for (int64_t c = 0; c < width; ++c) dot += double(gy[c]) * src[c];
       dprob[a] = static_cast<T>(dot);
     }
     out.commit();
@@ -373,6 +374,20 @@ void moe_swiglu_scaled_backward(const Tensor& x, const Tensor& scale, const Tens
     out.commit();
     ds.commit();
   });
+}
+
+void moe_fp8_transpose_padded(const Tensor& data, const std::vector<int64_t>& splits,
+                              const std::vector<int64_t>& padded, Tensor& data_t) {
+  const int64_t k = data.size(1), width = data_t.size(1);
+  const uint8_t* in = data.data<uint8_t>();
+  uint8_t* out = data_t.data<uint8_t>();
+  std::fill(out, out + k * width, uint8_t{0});
+  int64_t row = 0;
+  for (size_t e = 0; e < splits.size(); ++e) {
+    for (int64_t r = 0; r < splits[e]; ++r)
+      for (int64_t c = 0; c < k; ++c) out[c * width + padded[e] + r] = in[(row + r) * k + c];
+    row += splits[e];
+  }
 }
 
 }  // namespace tessera::cpu

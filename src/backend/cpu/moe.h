@@ -17,4 +17,8 @@ void moe_unpermute_backward(const Tensor& expert_out, const Tensor& row_map, con
                             Tensor& d_expert_out, Tensor& d_probs);
 void moe_swiglu_scaled_forward(const Tensor& x, const Tensor& scale, Tensor& y);
 void moe_swiglu_scaled_backward(const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx, Tensor& d_scale);
+// FP8 codes data [M, K] -> data_t [K, P] with expert e's rows at columns padded[e].. and
+// zeros in the padding columns (ops/moe.h, MoEFp8Rows).
+void moe_fp8_transpose_padded(const Tensor& data, const std::vector<int64_t>& splits,
+                              const std::vector<int64_t>& padded, Tensor& data_t);
 }  // namespace tessera::cpu

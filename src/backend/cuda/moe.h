@@ -32,7 +32,8 @@ void moe_unpermute_forward(void* stream, const Tensor& expert_out, const Tensor&
 void moe_unpermute_backward(void* stream, const Tensor& expert_out, const Tensor& row_map, const Tensor& probs,
                             const Tensor& dy, Tensor& d_expert_out, Tensor& d_probs);
 void moe_swiglu_scaled_forward(void* stream, const Tensor& x, const Tensor& scale, Tensor& y);
+// dx_amax (F32 [1], optional): max |dx| of the stored values, from the same pass.
 void moe_swiglu_scaled_backward(void* stream, const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx,
-                                Tensor& d_scale);
+                                Tensor& d_scale, Tensor* dx_amax = nullptr);
 
 }  // namespace tessera::cuda

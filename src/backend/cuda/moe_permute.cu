@@ -17,6 +17,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda_check.h"
+#include "fp8_cvt.cuh"
 #include "moe.h"
 #include "moe_common.cuh"
 
@@ -123,13 +124,16 @@ __global__ void unpermute_backward_kernel(const T* expert_out, const int32_t* ro
   }
   const float w = probs.defined() ? probs.load(a) : 1.0f;
   const T* g = dy + (a / k) * width;
+  // Without d_probs, expert_out is not read (MoELayer frees it after the forward and passes
+  // another tensor of its shape).
+  const bool want_dot = d_probs.defined();
   float dot = 0;
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
     const float gv = ld(g, c);
     st(d_expert_out, int64_t(r) * width + c, w * gv);
-    dot += gv * ld(expert_out, int64_t(r) * width + c);
+    if (want_dot) dot += gv * ld(expert_out, int64_t(r) * width + c);
   }
-  if (!d_probs.defined()) return;
+  if (!want_dot) return;
   dot = block_sum(dot);
   if (threadIdx.x == 0) d_probs.store(a, dot);
 }
@@ -144,20 +148,31 @@ __global__ void swiglu_scaled_kernel(const T* x, AnyPtr scale, T* y, int64_t hal
   }
 }
 
-template <typename T>
-__global__ void swiglu_scaled_backward_kernel(const T* x, AnyPtr scale, const T* dy, T* dx, AnyPtr d_scale, int64_t half) {
+// The value st() leaves in memory, as a float (for the amax of what was stored).
+__device__ __forceinline__ float stored(const float*, float v) { return v; }
+__device__ __forceinline__ float stored(const __nv_bfloat16*, float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// kAmax: also folds max |dx| (of the stored values) into *dx_amax, zeroed beforehand, the
+// statistic the FP8 cast of dx needs (saves the cast's separate amax pass over dx).
+template <typename T, bool kAmax>
+__global__ void swiglu_scaled_backward_kernel(const T* x, AnyPtr scale, const T* dy, T* dx, AnyPtr d_scale, int64_t half,
+                                              uint32_t* dx_amax) {
   const int64_t r = blockIdx.x;
   const float sc = scale.load(r);
   float dot = 0;
+  uint32_t m = 0;
   for (int64_t c = threadIdx.x; c < half; c += blockDim.x) {
     const float g = ld(x, r * 2 * half + c), u = ld(x, r * 2 * half + half + c);
     const float s = 1.0f / (1.0f + expf(-g)), d0 = ld(dy, r * half + c), d = d0 * sc;
     dot += d0 * (g * s * u);
-    st(dx, r * 2 * half + c, d * u * s * (1.0f + g * (1.0f - s)));
-    st(dx, r * 2 * half + half + c, d * g * s);
+    const float dg = d * u * s * (1.0f + g * (1.0f - s)), du = d * g * s;
+    st(dx, r * 2 * half + c, dg);
+    st(dx, r * 2 * half + half + c, du);
+    if constexpr (kAmax) m = max(m, max(fp8cvt::abs_bits(stored(dx, dg)), fp8cvt::abs_bits(stored(dx, du))));
   }
   dot = block_sum(dot);
   if (threadIdx.x == 0) d_scale.store(r, dot);
+  if constexpr (kAmax) fp8cvt::block_atomic_max(m, dx_amax);
 }
 
 unsigned grid(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
@@ -272,14 +287,20 @@ void moe_swiglu_scaled_forward(void* stream, const Tensor& x, const Tensor& scal
 }
 
 void moe_swiglu_scaled_backward(void* stream, const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx,
-                                Tensor& d_scale) {
+                                Tensor& d_scale, Tensor* dx_amax) {
   auto s = static_cast<cudaStream_t>(stream);
   const int64_t rows = x.size(0), half = x.size(1) / 2;
+  uint32_t* amax_bits = dx_amax ? dx_amax->data<uint32_t>() : nullptr;
+  if (amax_bits) TESSERA_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(uint32_t), s));
   if (rows == 0) return;
   by_dtype(x, [&](auto zero) {
     using T = decltype(zero);
-    swiglu_scaled_backward_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
-        x.data<T>(), any_ptr(scale), dy.data<T>(), dx.data<T>(), any_ptr(d_scale), half);
+    if (amax_bits)
+      swiglu_scaled_backward_kernel<T, true><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
+          x.data<T>(), any_ptr(scale), dy.data<T>(), dx.data<T>(), any_ptr(d_scale), half, amax_bits);
+    else
+      swiglu_scaled_backward_kernel<T, false><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
+          x.data<T>(), any_ptr(scale), dy.data<T>(), dx.data<T>(), any_ptr(d_scale), half, nullptr);
   });
   TESSERA_CUDA_CHECK_LAUNCH();
 }

@@ -17,8 +17,11 @@
 // 3 B (16384 x 4096: 201 MB, ~49 us) against 7 B for the norm then the cast (4 + 3; the cast
 // with transpose adds 1 B either way); current: 2 B (statistics) + 3 B (apply) against
 // 4 + 2 (amax) + 3. The add forms add the residual read and the sum write (4 B). The
-// transposed copy for the weight gradient is a separate byte transpose (2 B). Not measured
-// yet; the kernels are the plain norms' with a cheaper store, so expect their percentages.
+// transposed copy for the weight gradient is a separate byte transpose (2 B), except after
+// current scaling's apply pass, which can write it itself (norm_apply_fp8_transpose: apply
+// 2 + 1 B and transpose 1 + 1 B become 2 + 2 B, and the 32 x 32 single-byte transpose, far
+// from its floor, goes). Not measured yet; the kernels are the plain norms' with a cheaper
+// store, so expect their percentages.
 #include "norm.h"
 #include "norm_fp8.h"
 #include "fp8_cvt.cuh"
@@ -115,7 +118,116 @@ __global__ void __launch_bounds__(kApplyThreads)
   }
 }
 
+// ---- The apply pass with the transposed copy (current scaling's second pass) --------------
+//
+// norm_apply_fp8_kernel's values (the same float operations, rounded to BF16 the same way,
+// the same cast), written as q [rows, C] and q_t [C, rows] from one pass: cast_transpose.cu's
+// tiling (64 x 128 tiles, codes through an XOR-swizzled shared tile of 32-bit words, 8 x 4
+// byte blocks transposed in registers). BF16 x with C % 8 == 0 and rows % 8 == 0 only; the
+// op applies then transposes otherwise. Replaces apply (2 B read + 1 B written per element)
+// and the byte transpose (1 + 1 B, which ran far from its floor: 32 x 32 tiles of single
+// bytes, ~40 us per 8192 x 2048 copy against ~8 us) with 2 + 2 B.
+constexpr int kTrRows = 64, kTrCols = 128, kTrWords = kTrCols / 4, kTrVec = 8;
+constexpr int kTrVecPerRow = kTrCols / kTrVec, kTrUnits = kTrRows * kTrVecPerRow / kApplyThreads;
+
+__device__ __forceinline__ int tr_swizzle(int row, int word) { return word ^ (((row >> 3) & 7) << 2); }
+
+__device__ __forceinline__ void tr_transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
+  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
+
+template <bool kLayer>
+__global__ void __launch_bounds__(kApplyThreads, 2)
+    norm_apply_fp8_transpose_kernel(const uint16_t* x, Param gamma, Param beta, const float* mean, const float* rstd,
+                                    const float* scale, uint8_t* q, uint8_t* q_t, int64_t rows, int64_t cols,
+                                    int64_t tiles_across, int64_t tiles) {
+  __shared__ uint32_t tile[kTrRows][kTrWords];
+  const float s = *scale;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = (t / tiles_across) * kTrRows, c0 = (t % tiles_across) * kTrCols;
+    uint32_t raw[kTrUnits][4];
+#pragma unroll
+    for (int k = 0; k < kTrUnits; ++k) {
+      const int id = int(threadIdx.x) + k * kApplyThreads, row = id / kTrVecPerRow, vec = id % kTrVecPerRow;
+      const int64_t r = r0 + row, c = c0 + int64_t(vec) * kTrVec;
+      if (r < rows && c < cols) load_words<16>(x + r * cols + c, raw[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kTrUnits; ++k) {
+      const int id = int(threadIdx.x) + k * kApplyThreads, row = id / kTrVecPerRow, vec = id % kTrVecPerRow;
+      const int64_t r = r0 + row, c = c0 + int64_t(vec) * kTrVec;
+      if (r >= rows || c >= cols) continue;
+      const float mu = kLayer ? mean[r] : 0.0f, rr = rstd[r];
+      float v[kTrVec], g[kTrVec], b[kTrVec], out[kTrVec];
+      unpack_raw<uint16_t, kTrVec>(raw[k], v);
+      load_param<kTrVec>(gamma, c, g);
+      if (kLayer && beta.ptr) load_param<kTrVec>(beta, c, b);
+      else
+#pragma unroll
+        for (int e = 0; e < kTrVec; ++e) b[e] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kTrVec; ++e) {
+        const float y = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[e], mu), rr), g[e]), b[e])
+                               : __fmul_rn(__fmul_rn(v[e], rr), g[e]);
+        out[e] = round_to_storage<uint16_t>(y);
+      }
+      uint32_t words[2];
+      fp8cvt::quantize_words<true, kTrVec>(out, s, words);
+      *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(words[0], words[1]);
+      tile[row][tr_swizzle(row, 2 * vec)] = words[0];
+      tile[row][tr_swizzle(row, 2 * vec + 1)] = words[1];
+    }
+    __syncthreads();
+    const int w = int(threadIdx.x) >> 3, g = int(threadIdx.x) & 7;
+    const int64_t col = c0 + 4 * w, row = r0 + 8 * g;
+    if (col < cols && row < rows) {  // C % 8 == 0 and rows % 8 == 0: blocks wholly in or out
+      uint32_t a[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = tile[8 * g + i][tr_swizzle(8 * g + i, w)];
+      uint32_t lo[4], hi[4];
+      tr_transpose4x4(a[0], a[1], a[2], a[3], lo);
+      tr_transpose4x4(a[4], a[5], a[6], a[7], hi);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint2*>(q_t + (col + j) * rows + row) = make_uint2(lo[j], hi[j]);
+    }
+    __syncthreads();  // the tile is rewritten by the next iteration
+  }
+}
+
 }  // namespace
+
+bool norm_apply_fp8_transpose_supported(const Tensor& x, const Tensor& q, const Tensor& q_t, const Tensor& gamma,
+                                        const Tensor& beta) {
+  return x.dtype() == DType::BF16 && x.dim() == 2 && x.is_contiguous() && x.size(0) % 8 == 0 &&
+         x.size(1) % kTrVec == 0 && aligned(x.raw_data(), 16) && q.dtype() == DType::E4M3 &&
+         q_t.dtype() == DType::E4M3 && q.is_contiguous() && q_t.is_contiguous() && aligned(q.raw_data(), 8) &&
+         aligned(q_t.raw_data(), 8) && norm_fp8_supported(x, q, Tensor(), gamma, beta) &&
+         param_aligned(gamma, kTrVec) && param_aligned(beta, kTrVec);
+}
+
+void norm_apply_fp8_transpose(void* stream, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                              const Tensor& mean, const Tensor& rstd, const Tensor& scale, Tensor& q, Tensor& q_t) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (rows == 0 || cols == 0) return;
+  const int64_t across = ceil_div(cols, kTrCols), tiles = ceil_div(rows, kTrRows) * across;
+  const int64_t wave = int64_t(device_query(nullptr, 0, x.device().index)) * 2;
+  const unsigned blocks = unsigned(std::min(tiles, wave));
+  auto s = static_cast<cudaStream_t>(stream);
+  const float* mean_ptr = mean.defined() ? mean.data<float>() : nullptr;
+  auto run = [&](auto layer_tag) {
+    norm_apply_fp8_transpose_kernel<decltype(layer_tag)::value><<<blocks, kApplyThreads, 0, s>>>(
+        static_cast<const uint16_t*>(x.raw_data()), param_of(gamma), param_of(beta), mean_ptr, rstd.data<float>(),
+        scale.data<float>(), q.data<uint8_t>(), q_t.data<uint8_t>(), rows, cols, across, tiles);
+  };
+  if (mean_ptr) run(std::true_type{});
+  else run(std::false_type{});
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
 
 bool norm_fp8_supported(const Tensor& x, const Tensor& q, const Tensor& y, const Tensor& gamma, const Tensor& beta) {
   if (q.defined() && q.dtype() != DType::E4M3) return false;

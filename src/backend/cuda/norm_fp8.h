@@ -30,4 +30,12 @@ void add_rmsnorm_forward_fp8(void* stream, const Tensor& x, const Tensor& residu
 void norm_apply_fp8(void* stream, const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean,
                     const Tensor& rstd, const Tensor& scale, Tensor& q);
 
+// norm_apply_fp8 that also writes q_t [C, rows] = q transposed, from the same pass (the
+// copy a QuantizedTensor keeps): x BF16 2-D [rows, C] with rows % 8 == 0 and C % 8 == 0,
+// q and q_t E4M3 contiguous and 8-byte aligned (norm_apply_fp8_transpose_supported).
+bool norm_apply_fp8_transpose_supported(const Tensor& x, const Tensor& q, const Tensor& q_t, const Tensor& gamma,
+                                        const Tensor& beta);
+void norm_apply_fp8_transpose(void* stream, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                              const Tensor& mean, const Tensor& rstd, const Tensor& scale, Tensor& q, Tensor& q_t);
+
 }  // namespace tessera::cuda

@@ -1,0 +1,32 @@
+// CUDA kernels of the MoE FP8 casts (backend/cuda/moe_fp8.cu): an expert-contiguous
+// activation cast to FP8 with its padded transposed copy (ops/moe.h, MoEFp8Rows), and the
+// scaled SwiGLU computed on the fly and cast the same way. Declarations only; C++17.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tessera/core/tensor.h"
+
+namespace tessera::cuda {
+
+// Most experts the kernels take (their offsets travel as kernel parameters).
+constexpr int64_t kMoeFp8MaxExperts = 256;
+
+// x F32 or BF16, contiguous, M < 2^31 rows, and at most kMoeFp8MaxExperts experts.
+bool moe_fp8_cast_supported(const Tensor& x, int64_t experts);
+
+// data [M, K] = fp8(x * scale[0]) for the rows the splits cover, zero codes in the rows past
+// their sum; data_t [K, P]: column padded[e] + i = row off_e + i of data for every expert,
+// zero in the padding columns. scale F32 [1] (device).
+void moe_fp8_cast_rows(void* stream, const Tensor& x, const Tensor& scale, const std::vector<int64_t>& splits,
+                       const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t);
+
+// amax[0] = max |h|, h[r, c] = prob[r] * silu(x[r, c]) * x[r, F + c] (x [M, 2F]), NaN if any h is.
+void moe_swiglu_scaled_amax(void* stream, const Tensor& x, const Tensor& prob, Tensor& amax);
+// moe_fp8_cast_rows of h (not stored): data [M, F], data_t [K = F, P].
+void moe_swiglu_scaled_cast(void* stream, const Tensor& x, const Tensor& prob, const Tensor& scale,
+                            const std::vector<int64_t>& splits, const std::vector<int64_t>& padded, Tensor& data,
+                            Tensor& data_t);
+
+}  // namespace tessera::cuda
