@@ -63,7 +63,7 @@ void add_train_commands(CLI::App& app) {
       "Several ranks (data and tensor parallelism, docs/distributed.md): `mpirun -np N tessera train CONFIG` (one or many hosts) "
       "or `tessera launch --nproc N train CONFIG` (one host, no MPI needed); every rank gets the same config and "
       "arguments. training.parallel sets the layout (data, tensor, sequence_parallel, distributed_optimizer for "
-      "ZeRO-1, timeout_s, bucket_mb, overlap_grad_reduce); "
+      "ZeRO-1, timeout_s, bucket_mb, overlap_grad_reduce, tp_comm_overlap); "
       "training.batch_size is per rank and micro-batch, training.global_batch_size (optional) the sequences per "
       "step over all ranks. Rank 0 prints and writes metrics.jsonl; every rank writes its part of each checkpoint, "
       "and --resume continues at any number of ranks.");
