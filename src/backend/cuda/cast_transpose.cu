@@ -31,6 +31,7 @@
 #include <atomic>
 #include <type_traits>
 
+#include "code_tile.cuh"
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
 
@@ -42,22 +43,9 @@ using fp8cvt::abs_bits;
 
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 3;  // resident vector-kernel blocks per SM (about 70 registers a thread)
-constexpr int kTileRows = 64, kTileCols = 128, kTileWords = kTileCols / 4;
+constexpr int kTileRows = code_tile::kRows, kTileCols = code_tile::kCols, kTileWords = code_tile::kWords;
+static_assert(kThreads == code_tile::kThreads, "the transposed store maps 256 threads");
 constexpr int kScalarTile = 32;
-
-// The physical word of (row, word) in the shared tile: rows in group g = (row / 8) % 8 have
-// their word columns permuted by XOR with 4g (pairs of words stay adjacent).
-__device__ __forceinline__ int swizzle(int row, int word) { return word ^ (((row >> 3) & 7) << 2); }
-
-// Four rows of four codes (a..d, one word each) -> four columns (word j = byte j of a..d).
-__device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
-  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
-  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
-  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
-  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
-  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
-}
 
 // A 16-byte word of x as floats: 8 BF16 or 4 F32 values.
 template <typename T>
@@ -123,23 +111,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         if constexpr (WPV == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
         else *reinterpret_cast<uint32_t*>(dst) = words[0];
 #pragma unroll
-        for (int w = 0; w < WPV; ++w) tile[row][swizzle(row, vec * WPV + w)] = words[w];
+        for (int w = 0; w < WPV; ++w) tile[row][code_tile::swizzle(row, vec * WPV + w)] = words[w];
       }
     }
     __syncthreads();
-    // Thread = (word column w, row group g); a warp's lanes cover 4 word columns x 8 groups.
-    const int w = int(threadIdx.x) >> 3, g = int(threadIdx.x) & 7;
-    const int64_t col = c0 + 4 * w, row = r0 + 8 * g;
-    if (col < cols && row < rows) {  // K % 4 == 0 and M % 8 == 0: blocks are wholly in or out
-      uint32_t a[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) a[i] = tile[8 * g + i][swizzle(8 * g + i, w)];
-      uint32_t lo[4], hi[4];
-      transpose4x4(a[0], a[1], a[2], a[3], lo);
-      transpose4x4(a[4], a[5], a[6], a[7], hi);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint2*>(q_t + (col + j) * rows + row) = make_uint2(lo[j], hi[j]);
-    }
+    code_tile::store_transposed(tile, q_t, rows, r0, c0, cols);  // K % 4 == 0 and M % 8 == 0
     __syncthreads();  // the tile is rewritten by the next iteration
   }
   if constexpr (kAmax) fp8cvt::block_atomic_max(m, amax_bits);

@@ -24,6 +24,7 @@
 // store, so expect their percentages.
 #include "norm.h"
 #include "norm_fp8.h"
+#include "code_tile.cuh"
 #include "fp8_cvt.cuh"
 #include "norm_launch.cuh"
 
@@ -127,19 +128,9 @@ __global__ void __launch_bounds__(kApplyThreads)
 // op applies then transposes otherwise. Replaces apply (2 B read + 1 B written per element)
 // and the byte transpose (1 + 1 B, which ran far from its floor: 32 x 32 tiles of single
 // bytes, ~40 us per 8192 x 2048 copy against ~8 us) with 2 + 2 B.
-constexpr int kTrRows = 64, kTrCols = 128, kTrWords = kTrCols / 4, kTrVec = 8;
+static_assert(kApplyThreads == code_tile::kThreads, "the transposed store maps 256 threads");
+constexpr int kTrRows = code_tile::kRows, kTrCols = code_tile::kCols, kTrWords = code_tile::kWords, kTrVec = 8;
 constexpr int kTrVecPerRow = kTrCols / kTrVec, kTrUnits = kTrRows * kTrVecPerRow / kApplyThreads;
-
-__device__ __forceinline__ int tr_swizzle(int row, int word) { return word ^ (((row >> 3) & 7) << 2); }
-
-__device__ __forceinline__ void tr_transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
-  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
-  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
-  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
-  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
-  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
-}
 
 template <bool kLayer>
 __global__ void __launch_bounds__(kApplyThreads, 2)
@@ -179,22 +170,11 @@ __global__ void __launch_bounds__(kApplyThreads, 2)
       uint32_t words[2];
       fp8cvt::quantize_words<true, kTrVec>(out, s, words);
       *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(words[0], words[1]);
-      tile[row][tr_swizzle(row, 2 * vec)] = words[0];
-      tile[row][tr_swizzle(row, 2 * vec + 1)] = words[1];
+      tile[row][code_tile::swizzle(row, 2 * vec)] = words[0];
+      tile[row][code_tile::swizzle(row, 2 * vec + 1)] = words[1];
     }
     __syncthreads();
-    const int w = int(threadIdx.x) >> 3, g = int(threadIdx.x) & 7;
-    const int64_t col = c0 + 4 * w, row = r0 + 8 * g;
-    if (col < cols && row < rows) {  // C % 8 == 0 and rows % 8 == 0: blocks wholly in or out
-      uint32_t a[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) a[i] = tile[8 * g + i][tr_swizzle(8 * g + i, w)];
-      uint32_t lo[4], hi[4];
-      tr_transpose4x4(a[0], a[1], a[2], a[3], lo);
-      tr_transpose4x4(a[4], a[5], a[6], a[7], hi);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint2*>(q_t + (col + j) * rows + row) = make_uint2(lo[j], hi[j]);
-    }
+    code_tile::store_transposed(tile, q_t, rows, r0, c0, cols);  // C % 8 == 0 and rows % 8 == 0
     __syncthreads();  // the tile is rewritten by the next iteration
   }
 }

@@ -42,6 +42,7 @@
 #include <atomic>
 #include <type_traits>
 
+#include "code_tile.cuh"
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
 #include "tessera/core/numeric.h"
@@ -54,7 +55,8 @@ using fp8cvt::abs_bits;
 
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 2;
-constexpr int kTileRows = 64, kTileCols = 128, kTileWords = kTileCols / 4;
+constexpr int kTileRows = code_tile::kRows, kTileCols = code_tile::kCols, kTileWords = code_tile::kWords;
+static_assert(kThreads == code_tile::kThreads, "the transposed store maps 256 threads");
 constexpr int kVec = 8;                                  // BF16 elements per 16-byte load
 constexpr int kVecPerRow = kTileCols / kVec;             // 16
 constexpr int kUnits = kTileRows * kVecPerRow / kThreads;  // 4 vectors per thread per tile
@@ -93,35 +95,6 @@ __device__ __forceinline__ void swiglu_grad8(const float (&g)[kVec], const float
     float b = d[e] * g[e] * s;
     dg[e] = round_bf16(a);
     du[e] = round_bf16(b);
-  }
-}
-
-__device__ __forceinline__ int swizzle(int row, int word) { return word ^ (((row >> 3) & 7) << 2); }
-
-__device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
-  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
-  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
-  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
-  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
-  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
-}
-
-// One 64 x 128 shared tile of codes written to q_t [qt_rows_total = codes' columns, rows]:
-// its column col0 of the codes becomes q_t's row col0.
-__device__ __forceinline__ void store_transposed(const uint32_t (&tile)[kTileRows][kTileWords], uint8_t* q_t,
-                                                 int64_t rows, int64_t col0, int64_t col_end, int64_t r0) {
-  const int w = int(threadIdx.x) >> 3, g = int(threadIdx.x) & 7;
-  const int64_t col = col0 + 4 * w, row = r0 + 8 * g;
-  if (col < col_end && row < rows) {  // F % 8 == 0 and rows % 8 == 0: blocks wholly in or out
-    uint32_t a[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) a[i] = tile[8 * g + i][swizzle(8 * g + i, w)];
-    uint32_t lo[4], hi[4];
-    transpose4x4(a[0], a[1], a[2], a[3], lo);
-    transpose4x4(a[4], a[5], a[6], a[7], hi);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint2*>(q_t + (col + j) * rows + row) = make_uint2(lo[j], hi[j]);
   }
 }
 
@@ -177,14 +150,14 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
           uint32_t words[2];
           fp8cvt::quantize_words<kE4M3, kVec>(out[h], s, words);
           *reinterpret_cast<uint2*>(q + r * q_cols + h * f + c) = make_uint2(words[0], words[1]);
-          tile[h][row][swizzle(row, vec * 2)] = words[0];
-          tile[h][row][swizzle(row, vec * 2 + 1)] = words[1];
+          tile[h][row][code_tile::swizzle(row, vec * 2)] = words[0];
+          tile[h][row][code_tile::swizzle(row, vec * 2 + 1)] = words[1];
         }
       }
     }
     __syncthreads();
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h) store_transposed(tile[h], q_t, rows, h * f + c0, h * f + f, r0);
+    for (int h = 0; h < kHalves; ++h) code_tile::store_transposed(tile[h], q_t, rows, r0, h * f + c0, h * f + f);
     __syncthreads();  // the tiles are rewritten by the next iteration
   }
   if constexpr (kAmax) fp8cvt::block_atomic_max(m, amax_bits);
