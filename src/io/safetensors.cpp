@@ -353,8 +353,6 @@ std::map<std::string, Tensor> load_safetensors(const std::string& path, Device d
 
 // ---- Writing --------------------------------------------------------------------------------
 
-namespace {
-
 // Checks the inputs, lays out the data buffer and builds the padded header; then emits the
 // header and each tensor's bytes through `sink`.
 void write_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata,
@@ -414,8 +412,6 @@ void write_safetensors(const NamedTensors& tensors, const std::map<std::string, 
     sink(packed.raw_data(), packed.nbytes());
   }
 }
-
-}  // namespace
 
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {

@@ -440,15 +440,31 @@ std::string write_checkpoint(const std::string& out_dir, const CheckpointSnapsho
     io::write_file_atomically((tmp_dir / name).string(), bytes);
     files[name] = {{"bytes", bytes.size()}, {"crc32", hex32(crc32_bytes(bytes.data(), bytes.size()))}};
   };
+  // Tensor files are streamed to disk tensor by tensor, checksummed on the way: a copy of the
+  // whole file in memory (14 GB for a 1B model's optimizer state) cost a host copy, its page
+  // faults and that much RAM on top of the snapshot.
+  auto put_tensors = [&](const std::string& name, const io::NamedTensors& tensors,
+                         const std::map<std::string, std::string>& metadata) {
+    const std::string path = (tmp_dir / name).string();
+    uint32_t crc = 0;
+    uint64_t bytes = 0;
+    io::write_file_atomically(path, [&](std::FILE* f) {
+      io::write_safetensors(tensors, metadata, path, [&](const void* data, size_t n) {
+        io::write_bytes(f, data, n, path);
+        crc = crc32_bytes(data, n, crc);
+        bytes += n;
+      });
+    });
+    files[name] = {{"bytes", bytes}, {"crc32", hex32(crc)}};
+  };
   if (lead)
-    put("model.safetensors",
-        io::serialize_safetensors(s.params, {{"format", "tessera"}, {"model_config", s.model_config.dump()}}));
+    put_tensors("model.safetensors", s.params, {{"format", "tessera"}, {"model_config", s.model_config.dump()}});
   if (s.has_optimizer && s.optimizer_layout.is_null()) {
-    if (lead) put("optimizer.safetensors", io::serialize_safetensors(s.optimizer));  // the same on every rank
+    if (lead) put_tensors("optimizer.safetensors", s.optimizer, {});  // the same on every rank
   } else if (s.has_optimizer) {
     const nlohmann::json& l = s.optimizer_layout;
-    put(zero1_file_name(l.at("rank").get<int64_t>(), l.at("size").get<int64_t>()),
-        io::serialize_safetensors(s.optimizer, {{"format", "tessera-optimizer-shard"}, {"layout", l.dump()}}));
+    put_tensors(zero1_file_name(l.at("rank").get<int64_t>(), l.at("size").get<int64_t>()), s.optimizer,
+                {{"format", "tessera-optimizer-shard"}, {"layout", l.dump()}});
   }
   if (several && !lead) {
     // Last: rank 0 takes a part file as the sign that this rank's files are complete.

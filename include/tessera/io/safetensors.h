@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -117,6 +118,13 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 // whose metadata lacks {"format": "pt"}.
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata = {});
+
+// The bytes save_safetensors() writes, handed to `sink` in order (the 8-byte header length,
+// the header, then each tensor's data, one tensor at a time), for writers that stream them
+// (checkpoints: written and checksummed without a copy of the whole file in memory). `where`
+// names the destination in error messages.
+void write_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata,
+                       const std::string& where, const std::function<void(const void*, size_t)>& sink);
 
 // The bytes save_safetensors() writes, in memory.
 std::string serialize_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata = {});
