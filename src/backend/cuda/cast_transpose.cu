@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "code_tile.cuh"
+#include "cuda_backend.h"
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
 
@@ -157,16 +158,6 @@ bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Multiprocessors of `device`, cached per device.
-int multiprocessors(int device) {
-  static std::atomic<int> cache[64];
-  if (device >= 0 && device < 64 && cache[device].load(std::memory_order_relaxed) > 0) return cache[device].load();
-  int sms = 0;
-  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  sms = std::max(sms, 1);
-  if (device >= 0 && device < 64) cache[device].store(sms);
-  return sms;
-}
 
 template <typename Fn>
 void dispatch_flags(bool e4m3, bool amax, Fn&& fn) {
@@ -192,7 +183,7 @@ void cast_transpose(void* stream, const Tensor& x, const Tensor& scale, Tensor& 
   uint32_t* amax_bits = fused_amax ? amax_out.data<uint32_t>() : nullptr;
   if (fused_amax) TESSERA_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(uint32_t), s));
   if (rows > 0 && cols > 0) {
-    const int64_t wave = int64_t(multiprocessors(x.device().index)) * kBlocksPerSm;
+    const int64_t wave = int64_t(multiprocessor_count(x.device().index)) * kBlocksPerSm;
     const bool e4m3 = q.dtype() == DType::E4M3;
     auto run = [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;

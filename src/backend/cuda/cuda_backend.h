@@ -14,6 +14,8 @@
 namespace tessera::cuda {
 
 bool device_present();
+// Streaming multiprocessors of `device` (cached; kernels size one wave of blocks by it).
+int multiprocessor_count(int device);
 Allocator& caching_allocator(int device_index);
 // A copy on this thread's current stream of the CUDA device involved (tessera/core/stream.h):
 // cudaMemcpy when that is the default stream; otherwise cudaMemcpyAsync, followed by a

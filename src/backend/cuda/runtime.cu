@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -45,6 +46,16 @@ bool device_present() {
     return false;
   }
   return count > 0;
+}
+
+int multiprocessor_count(int device) {
+  static std::atomic<int> cache[64];
+  if (device >= 0 && device < 64 && cache[device].load(std::memory_order_relaxed) > 0) return cache[device].load();
+  int sms = 0;
+  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  sms = std::max(sms, 1);
+  if (device >= 0 && device < 64) cache[device].store(sms);
+  return sms;
 }
 
 namespace {

@@ -43,6 +43,7 @@
 #include <type_traits>
 
 #include "code_tile.cuh"
+#include "cuda_backend.h"
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
 #include "tessera/core/numeric.h"
@@ -197,15 +198,6 @@ bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int multiprocessors(int device) {
-  static std::atomic<int> cache[64];
-  if (device >= 0 && device < 64 && cache[device].load(std::memory_order_relaxed) > 0) return cache[device].load();
-  int sms = 0;
-  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  sms = std::max(sms, 1);
-  if (device >= 0 && device < 64) cache[device].store(sms);
-  return sms;
-}
 
 bool bf16_rows(const Tensor& x, const Tensor* dy, const Tensor* out) {
   if (x.dtype() != DType::BF16 || x.dim() != 2 || !x.is_contiguous() || x.size(1) % 16 != 0) return false;
@@ -224,7 +216,7 @@ void launch_cast_transpose(void* stream, const Tensor& x, const Tensor* dy, cons
   if (amax_bits) TESSERA_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(uint32_t), s));
   if (rows == 0 || f == 0) return;
   const int64_t across = ceil_div(f, kTileCols), tiles = ceil_div(rows, kTileRows) * across;
-  const int64_t wave = int64_t(multiprocessors(x.device().index)) * kBlocksPerSm;
+  const int64_t wave = int64_t(multiprocessor_count(x.device().index)) * kBlocksPerSm;
   const unsigned grid = unsigned(std::min(tiles, wave));
   const auto* xp = static_cast<const uint16_t*>(x.raw_data());
   const auto* dyp = dy ? static_cast<const uint16_t*>(dy->raw_data()) : nullptr;
@@ -253,7 +245,7 @@ void launch_amax(void* stream, const Tensor& x, const Tensor* dy, Tensor& amax_o
   const int64_t units = rows * (f / kVec);
   if (units == 0) return;
   // About four resident blocks per SM, each looping: one atomic per block.
-  const int64_t blocks = std::min(ceil_div(units, kThreads), int64_t(multiprocessors(x.device().index)) * 8);
+  const int64_t blocks = std::min(ceil_div(units, kThreads), int64_t(multiprocessor_count(x.device().index)) * 8);
   swiglu_amax_kernel<kBackward><<<unsigned(blocks), kThreads, 0, s>>>(
       static_cast<const uint16_t*>(x.raw_data()), dy ? static_cast<const uint16_t*>(dy->raw_data()) : nullptr,
       amax_bits, rows, f);
