@@ -40,11 +40,6 @@ nn::Linear bf16_linear(int64_t in, int64_t out, bool bias, uint64_t seed) {
   return layer;
 }
 
-bool same_bits(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
-  const Tensor ca = a.contiguous(), cb = b.contiguous();
-  return std::memcmp(ca.raw_data(), cb.raw_data(), ca.nbytes()) == 0;
-}
 
 Tensor transposed(Context& ctx, const Tensor& x) {
   Tensor t = Tensor::empty({x.size(1), x.size(0)}, x.dtype());

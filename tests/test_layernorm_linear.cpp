@@ -29,12 +29,6 @@ namespace {
 
 constexpr float kEps = 1e-5f;
 
-bool same_bits(const Tensor& a, const Tensor& b) {
-  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
-  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
-  const Tensor ca = a.contiguous(), cb = b.contiguous();
-  return std::memcmp(ca.raw_data(), cb.raw_data(), ca.nbytes()) == 0;
-}
 
 // Random values for every parameter (norm weights near 1) and random starting gradients, so
 // that accumulation (+=) is part of what is compared.

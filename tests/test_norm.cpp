@@ -404,13 +404,6 @@ TEST(RmsNorm, ThreadedMatchesSmallSerialBlocks) {
 namespace {
 
 // Same dtype, same shape, same bytes.
-bool same_bits(const Tensor& a, const Tensor& b) {
-  if (a.defined() != b.defined()) return false;
-  if (!a.defined()) return true;
-  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
-  const Tensor ca = a.contiguous(), cb = b.contiguous();
-  return std::memcmp(ca.raw_data(), cb.raw_data(), ca.nbytes()) == 0;
-}
 
 Tensor poisoned(const Shape& shape, DType dtype) {
   Tensor t = Tensor::empty(shape, dtype);

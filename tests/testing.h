@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -89,6 +90,14 @@ inline void expect_gradient(const Tensor& got, Tensor& x, const std::function<do
 // Fills a tensor with NaN so that elements an op forgets to write are caught.
 inline void poison(Tensor& t) {
   for (int64_t i = 0; i < t.numel(); ++i) t.set_item(i, NAN);
+}
+
+// Whether a and b are the same dtype, shape and bytes (both undefined counts as the same).
+inline bool same_bits(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
+  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
+  const Tensor ca = a.contiguous(), cb = b.contiguous();
+  return ca.nbytes() == 0 || std::memcmp(ca.raw_data(), cb.raw_data(), ca.nbytes()) == 0;  // empty: no pointers
 }
 
 }  // namespace tessera::testing
