@@ -6,6 +6,7 @@
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/gemm.h"
 #if TESSERA_WITH_CUDA
+#include "backend/cuda/block_cast_transpose.h"
 #include "backend/cuda/gemm_fp8.h"
 #endif
 
@@ -57,24 +58,43 @@ Side pick(const BlockQuantizedTensor& q, bool use_t) {
 
 }  // namespace
 
-BlockQuantizedTensor quantize_blockwise_with_transpose(Context& ctx, const Tensor& x, const BlockScaling& blocks,
-                                                       DType fp8) {
-  const char* op = "quantize_blockwise_with_transpose";
+namespace {
+
+void check_cast_arguments(Context& ctx, const Tensor& x, const BlockScaling& blocks, DType fp8, const char* op) {
   check_defined(x, op, "x");
   TESSERA_CHECK(x.dim() == 2, op, ": x must be 2-D, got ", x.describe());
   TESSERA_CHECK(fp8 == DType::E4M3 || fp8 == DType::E5M2, op, ": fp8 must be E4M3 or E5M2, got ", dtype_name(fp8));
   check_blocks(blocks, op);
   check_on_device(ctx, op, {&x});
-  const int64_t m = x.size(0), k = x.size(1);
+}
+
+BlockQuantizedTensor allocate(Context& ctx, int64_t m, int64_t k, const BlockScaling& blocks, DType fp8) {
   BlockQuantizedTensor q;
   q.blocks = blocks;
   q.dtype = fp8;
   q.data = Tensor::empty({m, k}, fp8, ctx.device);
   q.scale_inv = Tensor::empty(block_scale_shape(m, k, blocks), DType::F32, ctx.device);
-  quantize_blockwise(ctx, x, q.data, q.scale_inv, blocks);
   q.data_t = Tensor::empty({k, m}, fp8, ctx.device);
   q.scale_inv_t = Tensor::empty(block_scale_shape(k, m, blocks), DType::F32, ctx.device);
-  if (q.is_2d()) {  // a tile is the same elements either way: transposing is exact
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda()) {
+    const auto mode = q.is_2d() ? cuda::Fp8ScaleMode::Block128 : cuda::Fp8ScaleMode::Vec128;
+    q.gemm_scale_inv = Tensor::empty(cuda::gemm_block_scale_shape(m, k, mode), DType::F32, ctx.device);
+    q.gemm_scale_inv_t = Tensor::empty(cuda::gemm_block_scale_shape(k, m, mode), DType::F32, ctx.device);
+  }
+#endif
+  return q;
+}
+
+}  // namespace
+
+BlockQuantizedTensor quantize_blockwise_with_transpose_two_pass(Context& ctx, const Tensor& x,
+                                                                const BlockScaling& blocks, DType fp8) {
+  check_cast_arguments(ctx, x, blocks, fp8, "quantize_blockwise_with_transpose");
+  const int64_t m = x.size(0), k = x.size(1);
+  BlockQuantizedTensor q = allocate(ctx, m, k, blocks, fp8);
+  quantize_blockwise(ctx, x, q.data, q.scale_inv, blocks);
+  if (q.is_2d()) {  // a tile is the same elements either way: transposing is exact (and cheap: bytes)
     transpose_2d(ctx, q.data, q.data_t);
     transpose_2d(ctx, q.scale_inv, q.scale_inv_t);
   } else {  // 1x128 along the other dimension: quantize x^T itself
@@ -85,13 +105,26 @@ BlockQuantizedTensor quantize_blockwise_with_transpose(Context& ctx, const Tenso
 #if TESSERA_WITH_CUDA
   if (ctx.device.is_cuda()) {
     const auto mode = q.is_2d() ? cuda::Fp8ScaleMode::Block128 : cuda::Fp8ScaleMode::Vec128;
-    q.gemm_scale_inv = Tensor::empty(cuda::gemm_block_scale_shape(m, k, mode), DType::F32, ctx.device);
-    q.gemm_scale_inv_t = Tensor::empty(cuda::gemm_block_scale_shape(k, m, mode), DType::F32, ctx.device);
     cuda::to_gemm_block_scales(ctx.stream, q.scale_inv, m, k, mode, q.gemm_scale_inv);
     cuda::to_gemm_block_scales(ctx.stream, q.scale_inv_t, k, m, mode, q.gemm_scale_inv_t);
   }
 #endif
   return q;
+}
+
+BlockQuantizedTensor quantize_blockwise_with_transpose(Context& ctx, const Tensor& x, const BlockScaling& blocks,
+                                                       DType fp8) {
+  check_cast_arguments(ctx, x, blocks, fp8, "quantize_blockwise_with_transpose");
+#if TESSERA_WITH_CUDA
+  // 1x128 on CUDA: one kernel reads x once and writes both copies and all four scale grids.
+  if (ctx.device.is_cuda() && blocks.block_rows == 1 && cuda::block_cast_transpose_supported(x)) {
+    BlockQuantizedTensor q = allocate(ctx, x.size(0), x.size(1), blocks, fp8);
+    cuda::block_cast_transpose(ctx.stream, x, q.data, q.scale_inv, q.data_t, q.scale_inv_t, q.gemm_scale_inv,
+                               q.gemm_scale_inv_t, blocks.power_of_two_scales);
+    return q;
+  }
+#endif
+  return quantize_blockwise_with_transpose_two_pass(ctx, x, blocks, fp8);
 }
 
 Tensor dequantize(Context& ctx, const BlockQuantizedTensor& q, DType out_dtype) {

@@ -43,8 +43,19 @@ struct BlockQuantizedTensor {
 // power_of_two_scales flag is kept), both orientations, with quantize_blockwise (and
 // transpose_2d), so it runs wherever those run; on CUDA it also writes the GEMM-ready scales.
 // Nothing is read back to the host. Outputs are allocated on ctx.device.
+// On CUDA, 1x128 blocks with x F32 or BF16, contiguous, 16-byte aligned and M, K multiples of
+// 16 take one fused kernel (backend/cuda/block_cast_transpose.cu: x read once, both copies and
+// all four scale grids written) with the same bytes as the two-pass path below; 128x128
+// tiles keep the two-pass path, whose transposes are byte copies of the codes and scales.
 BlockQuantizedTensor quantize_blockwise_with_transpose(Context& ctx, const Tensor& x, const BlockScaling& blocks,
                                                        DType fp8);
+
+// The same result without the fused kernel: quantize_blockwise(x), then transpose_2d of x and
+// quantize_blockwise(x^T) (1x128) or transpose_2d of the codes and scales (128x128), then on
+// CUDA to_gemm_block_scales. The fallback of the function above, and the reference that
+// tests and bench_bandwidth compare the fused kernel with.
+BlockQuantizedTensor quantize_blockwise_with_transpose_two_pass(Context& ctx, const Tensor& x,
+                                                                const BlockScaling& blocks, DType fp8);
 
 // data dequantized (dequantize_blockwise) as a new [M, K] tensor of `out_dtype` on ctx.device.
 Tensor dequantize(Context& ctx, const BlockQuantizedTensor& q, DType out_dtype = DType::F32);
