@@ -12,6 +12,7 @@
 #include "tessera/ops/quantize.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/gemm_fp8.h"
+#include "backend/cuda/grouped_gemm_wgmma.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/moe_fp8.h"
 #include "backend/cuda/stream_fan.h"
@@ -382,6 +383,12 @@ void grouped_linear_forward(Context& ctx, const Tensor& x, const Tensor& w, cons
                 "], got ", y.describe());
   check_splits(splits, w.size(0), x.size(0), op);
   check_on_device(ctx, op, {&x, &w, &y});
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda() && cuda::grouped_gemm_backend() == cuda::GroupedGemmBackend::Own &&
+      cuda::grouped_gemm_wgmma_supported(x, w, y)) {
+    cuda::grouped_gemm_wgmma_forward(ctx.stream, x, w, splits, y);
+  } else
+#endif
   for_each_expert(ctx, splits, [&](Context& c, size_t e, int64_t row) {
     Tensor ye = y.slice(0, row, row + splits[e]);
     gemm(c, x.slice(0, row, row + splits[e]), w.select(0, static_cast<int64_t>(e)), ye, {.transpose_b = true});
