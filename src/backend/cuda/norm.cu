@@ -1,7 +1,10 @@
 // LayerNorm and RMSNorm on the GPU, forward and backward, with the formulas, rounding
 // points and gradient rule of the CPU reference (backend/cpu/norm.cpp). The kernels live in
 // norm_kernels.cuh (how they work) and norm_launch.cuh (how they are launched), shared with
-// the fused residual-add variants of add_norm.cu; this file launches the plain ones.
+// the fused residual-add variants of add_norm.cu; this file launches the plain ones. A
+// second family, norm_warp.cuh (a row in the registers of one to eight warps, FP32
+// statistics), is the default forward; NormTuning::kernel (or TESSERA_NORM_KERNEL) = 1 or 2
+// picks one family for both directions.
 //
 // Layout: x, y, dy, dx contiguous [rows, C] of one dtype (F32 or BF16); gamma, beta, dgamma,
 // dbeta [C], each F32 or BF16 on its own; mean, rstd F32.
@@ -10,15 +13,23 @@
 // (16384x4096 BF16: 268 MB, ~65 us); backward reads x and dy and writes dx, 3 passes
 // (~98 us), plus the partials (workers x C x 4 bytes per parameter, a few MB).
 // Measured there against cudaMemcpy D2D (3.8 TB/s) in the same run (bench_bandwidth):
-// layernorm forward 59%, backward 68%; rmsnorm forward 84%, backward 83% (see
-// norm_kernels.cuh for what limits them).
+// layernorm forward 71% (warp-row; row-group 59%), backward 68%; rmsnorm forward 90%
+// (row-group 82%), backward 81% (see norm_kernels.cuh and norm_warp.cuh for what limits them).
+#include <cstdlib>
+
 #include "norm.h"
 #include "norm_launch.cuh"
 
 namespace tessera::cuda {
 
 namespace {
-NormTuning g_norm_tuning;  // set only by benchmarks, between launches
+// TESSERA_NORM_KERNEL=1|2 picks the kernel family for a whole process (test suites, A/B runs).
+NormTuning initial_tuning() {
+  NormTuning t;
+  if (const char* v = std::getenv("TESSERA_NORM_KERNEL")) t.kernel = std::atoi(v);
+  return t;
+}
+NormTuning g_norm_tuning = initial_tuning();  // set only by benchmarks and tests, between launches
 }  // namespace
 
 void set_norm_tuning(const NormTuning& tuning) { g_norm_tuning = tuning; }

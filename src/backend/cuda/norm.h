@@ -21,8 +21,19 @@ bool norm_supported(std::initializer_list<const Tensor*> activations, std::initi
 // 16-byte vectors each thread of a row group aims to hold (1, 2, 4 or 8: fewer means wider
 // groups); forward_persistent: 1 = one wave of row groups looping over the rows with the next
 // row prefetched, 0 = one block per row group, each normalizing one row.
+// kernel: 0 = the measured defaults (warp-row forward, row-group backward), 1 = the row-group
+// kernels (norm_kernels.cuh) both ways, 2 = the warp-row kernels (norm_warp.cuh: one to eight
+// warps per row, the row in registers) both ways; the warp-row kernels run where the row is
+// vectorizable and fits, the row-group ones otherwise; forward_persistent applies to both
+// (the warp-row default is 0).
+// warp_words: the 32-bit words of one operand a lane of the warp-row kernels may hold (4 to
+// 64, a power of two; 0 = 16 in forward, 8 in backward, which takes 16 at most): rows wider
+// than 32 lanes x warp_words take more warps per row, then more words when 8 warps do not
+// suffice. The environment variable TESSERA_NORM_KERNEL (1 or 2)
+// sets `kernel` at start-up, so whole test suites can run on either family.
 struct NormTuning {
   int forward_vectors = 0, forward_persistent = -1, backward_vectors = 0;
+  int kernel = 0, warp_words = 0;
 };
 void set_norm_tuning(const NormTuning& tuning);
 NormTuning norm_tuning();

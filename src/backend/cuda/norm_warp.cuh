@@ -1,0 +1,397 @@
+// The warp-row LayerNorm/RMSNorm kernels (the default forward; backward with NormTuning::kernel = 2): a second kernel family
+// beside the row-group kernels of norm_kernels.cuh, launched from norm_launch.cuh when the
+// row is vectorizable and fits in registers; otherwise the row-group kernels run. Same
+// formulas, gradient rule, output sinks and in-place guarantees as those kernels; different
+// statistics arithmetic (below). Included by norm_launch.cuh only (anonymous namespace).
+//
+// Layout: as norm_kernels.cuh, and only the 16-byte-vector case: C a multiple of VEC
+// (8 BF16 or 4 F32 elements), every activation pointer and the parameters aligned to it.
+//
+// Threading: a row is held by a "row group" of one to eight warps (blockDim.x = 32 * warps),
+// blockDim.y groups per block. The row lives in registers as raw 16-byte words (packed BF16
+// pairs): lane l of warp w of the group holds vectors (j * warps + w) * 32 + l for j < NV,
+// so each warp's loads are contiguous 512-byte runs. All loads of a row are issued before
+// its first reduction; the statistics are taken in FP32 from those registers (two passes
+// for LayerNorm: the mean, then the sum of (x - mean)^2: no cancellation, no second read
+// of memory); a group of one warp reduces with shuffles only, wider groups add the warp
+// sums through shared memory (in warp order) behind a named barrier of the group alone.
+// Forward holds up to 16 words a lane by default (C = 4096 BF16: four warps, 32 BF16 a
+// lane; NormTuning::warp_words = 64 puts it on one warp, 128 registers, no barrier at all);
+// backward 8 words of x and of dy (eight warps at 4096). Persistent forward groups and
+// backward workers of small rows load the next row before reducing the current one.
+//
+// Numerics: FP32 sums of at most NV * VEC terms per lane, then a butterfly over lanes and
+// an ordered sum over warps: relative error ~1e-7 against the reference's double sums,
+// well inside the DESIGN.md tolerances (statistics 1e-5, BF16 outputs 1e-2), but not the
+// reference's bits: the row-group kernels stay for the C = 1 style exactness tests.
+// rstd = 1/sqrt(var + eps) is formed in double once per row, as the reference rounds it.
+//
+// Backward: dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)) with x and dy in
+// registers and both row sums in one two-float reduction. dgamma/dbeta: each group is a
+// worker over a contiguous chunk of rows (one wave of workers), accumulating its columns in
+// FP32 registers; the groups of a block add theirs in group order in shared memory and the
+// block writes one partial row; column_finalize_kernel (norm_kernels.cuh) sums the
+// partials in block order in double: no atomics, deterministic.
+//
+// Floor (H200, ~4.1 TB/s copy), 16384 x 4096 BF16: forward 2 activation passes (268 MB,
+// ~65 us), backward 3 (403 MB, ~98 us) plus one partial row per block per parameter
+// (264 blocks x 4096 x 4 B = 4.3 MB each way at the default shape), the add forms 4 passes
+// (537 MB, ~130 us). Measured on the H200 (bench_bandwidth 20 norm --sweep-norm, % of
+// cudaMemcpy in the same run; row-group kernels in brackets): forward at 16 words LayerNorm
+// 71% (59), add+LayerNorm 86% (71), RMSNorm 90% (82), add+RMSNorm 96% (82); backward at its
+// default LayerNorm 68% (67), with the residual 64% (64), RMSNorm 81% (81), with the residual
+// 71% (70): the backward is held by x, dy and the column partials all in registers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "norm_kernels.cuh"
+
+namespace tessera::cuda {
+
+namespace {
+
+constexpr int kWarpRowThreads = 256;  // threads per block of the warp-row kernels
+constexpr int kWarpRowMaxGroups = 8;  // row groups per block (blockDim.y)
+constexpr int kWarpRowMaxWarps = 8;   // warps per row group
+
+// A 16-byte vector of T as floats and back (the values are representable in T).
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& q, float* v) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  unpack_raw<T, 16 / int(sizeof(T))>(w, v);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack16(const float* v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      w[k] = uint32_t(float_to_bf16_bits(v[2 * k])) | (uint32_t(float_to_bf16_bits(v[2 * k + 1])) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Barrier of the row group threadIdx.y alone (ids 1..8; 0 is __syncthreads).
+__device__ __forceinline__ void group_barrier() {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + int(threadIdx.y)), "r"(int(blockDim.x)) : "memory");
+}
+
+// Sums v over the row group; every thread receives the same bits. shared: this group's
+// [2][K][kWarpRowMaxWarps] slots, alternating by call (phase): a call writes the buffer of
+// two calls back, which every thread of the group has read before it reached the barrier
+// of the call in between, so one barrier per call suffices.
+template <int K>
+__device__ __forceinline__ void warp_row_sum(float (&v)[K], float (*shared)[K][kWarpRowMaxWarps], int& phase) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2)
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], offset);
+  const int warps = int(blockDim.x >> 5);
+  if (warps == 1) return;
+  float(*slot)[kWarpRowMaxWarps] = shared[phase];
+  phase ^= 1;
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int k = 0; k < K; ++k) slot[k][threadIdx.x >> 5] = v[k];
+  group_barrier();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float s = slot[k][0];
+    for (int w = 1; w < warps; ++w) s += slot[k][w];
+    v[k] = s;
+  }
+}
+
+// Column of vector j of this thread (32-bit: a row that fits in registers is short).
+__device__ __forceinline__ int warp_row_col(int j, int vec) { return (j * int(blockDim.x) + int(threadIdx.x)) * vec; }
+
+// rstd from a float mean square, in double as the reference (once per row).
+__device__ __forceinline__ float rstd_of(float sum_squares, int64_t cols, double eps) {
+  return float(1.0 / sqrt(double(sum_squares) / double(cols) + eps));
+}
+
+// Vectors of row `row` this thread holds (zeros past the end of the row).
+template <typename T, int NV>
+__device__ __forceinline__ void warp_row_load(const T* p, int64_t row, int64_t cols, uint4 (&dst)[NV]) {
+  constexpr int VEC = 16 / int(sizeof(T));
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = warp_row_col(j, VEC);
+    dst[j] = c < int(cols) ? *reinterpret_cast<const uint4*>(p + row * cols + c) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Row group g = blockIdx.x * blockDim.y + threadIdx.y normalizes rows g, g + G, ... (G =
+// groups in the grid: one row each, or with kPersistent a wave looping over the rows; its
+// groups of up to 8 words a lane per operand load the next row before reducing this one,
+// so two rows of loads are in flight). kAdd: the row normalized is sum = x + residual
+// rounded to T, stored (each thread stores only what it read).
+template <typename T, int NV, bool kLayer, bool kAdd, bool kPersistent, typename Sink>
+__global__ void __launch_bounds__(kWarpRowThreads)
+    warp_norm_forward_kernel(const T* x, const T* residual, T* sum, Param gamma, Param beta, Sink sink, float* mean,
+                             float* rstd, int64_t rows, int64_t cols, double eps) {
+  constexpr int VEC = 16 / int(sizeof(T));
+  constexpr bool kPrefetch = kPersistent && NV * (kAdd ? 2 : 1) <= 8;
+  constexpr int NP = kPrefetch ? NV : 1;
+  __shared__ float red[kWarpRowMaxGroups][2][1][kWarpRowMaxWarps];
+  const int ncols = int(cols);
+  const int64_t groups = int64_t(gridDim.x) * blockDim.y;
+  int phase = 0;
+  uint4 next_x[NP], next_r[kAdd ? NP : 1];
+  int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if constexpr (kPrefetch) {
+    if (row < rows) {
+      warp_row_load<T, NP>(x, row, cols, next_x);
+      if constexpr (kAdd) warp_row_load<T, NP>(residual, row, cols, next_r);
+    }
+  }
+  sink.begin();
+#pragma unroll 1
+  for (; row < rows; row += groups) {
+    const int64_t base = row * cols;
+    uint4 raw[NV], res[kAdd ? NV : 1];
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        raw[j] = next_x[j];
+        if constexpr (kAdd) res[j] = next_r[j];
+      }
+      if (row + groups < rows) {
+        warp_row_load<T, NP>(x, row + groups, cols, next_x);
+        if constexpr (kAdd) warp_row_load<T, NP>(residual, row + groups, cols, next_r);
+      }
+    } else {
+      warp_row_load<T, NV>(x, row, cols, raw);
+      if constexpr (kAdd) warp_row_load<T, NV>(residual, row, cols, res);
+    }
+    if constexpr (kAdd) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int c = warp_row_col(j, VEC);
+        if (c >= ncols) continue;
+        float a[VEC], b[VEC];
+        unpack16<T>(raw[j], a);
+        unpack16<T>(res[j], b);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) a[k] = round_to_storage<T>(__fadd_rn(a[k], b[k]));
+        raw[j] = pack16<T>(a);
+        *reinterpret_cast<uint4*>(sum + base + c) = raw[j];  // after this thread's reads of it
+      }
+    }
+    // Vectors past the end hold zeros: they add nothing to the first sum.
+    float s[1] = {0.0f};
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      float v[VEC], p = 0.0f;
+      unpack16<T>(raw[j], v);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) p = kLayer ? p + v[k] : fmaf(v[k], v[k], p);
+      s[0] += p;
+    }
+    warp_row_sum(s, red[threadIdx.y], phase);
+    float mu = 0.0f, r;
+    if constexpr (kLayer) {
+      mu = __fdiv_rn(s[0], float(cols));
+      float q[1] = {0.0f};
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        if (warp_row_col(j, VEC) >= ncols) continue;
+        float v[VEC], p = 0.0f;
+        unpack16<T>(raw[j], v);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float d = __fsub_rn(v[k], mu);
+          p = fmaf(d, d, p);
+        }
+        q[0] += p;
+      }
+      warp_row_sum(q, red[threadIdx.y], phase);
+      r = rstd_of(q[0], cols, eps);
+    } else {
+      r = rstd_of(s[0], cols, eps);
+    }
+    if (threadIdx.x == 0) {
+      if (kLayer) mean[row] = mu;
+      rstd[row] = r;
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int c = warp_row_col(j, VEC);
+      if (c >= ncols) continue;
+      float v[VEC], g[VEC], b[VEC], out[VEC];
+      unpack16<T>(raw[j], v);
+      load_param<VEC>(gamma, c, g);
+      if (kLayer && beta.ptr) load_param<VEC>(beta, c, b);
+      else
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
+      // The reference's operations and order (y from the rounded statistics).
+#pragma unroll
+      for (int k = 0; k < VEC; ++k)
+        out[k] = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[k], mu), r), g[k]), b[k])
+                        : __fmul_rn(__fmul_rn(v[k], r), g[k]);
+      sink.template store<VEC>(base + c, out);
+    }
+  }
+  sink.finish();
+}
+
+// Worker w = blockIdx.x * blockDim.y + threadIdx.y takes rows [rows*w/W, rows*(w+1)/W).
+// dx is stored after every read of its row by the same thread, so dx may be dy, x or
+// d_residual. kAdd: dx = (the norm's dx rounded to T) + d_residual.
+// The parameter-gradient partials are one row per BLOCK: with several groups a block, they
+// add their columns in group order in shared memory (dynamic, [cols] per parameter), so
+// the scratch traffic (written here, read by column_finalize_kernel) shrinks by the groups
+// per block (at C = 4096 BF16 with 528 workers it was ~17 MB each way, ~8% of the pass).
+template <typename T, int NV, bool kLayer, bool kAdd>
+__global__ void __launch_bounds__(kWarpRowThreads, 2)
+    warp_norm_backward_kernel(const T* dy, const T* x, Param gamma, const float* mean, const float* rstd,
+                              const T* d_residual, T* dx, float* dgamma_part, float* dbeta_part, int64_t rows,
+                              int64_t cols, int64_t workers) {
+  constexpr int VEC = 16 / int(sizeof(T));
+  __shared__ float red[kWarpRowMaxGroups][2][2][kWarpRowMaxWarps];
+  const int ncols = int(cols);
+  const int64_t worker = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  // A group past the last worker takes no rows (it still joins the block's column sums).
+  const bool live_worker = worker < workers;
+  const int64_t first = live_worker ? rows * worker / workers : 0;
+  const int64_t last = live_worker ? rows * (worker + 1) / workers : 0;
+  const float inv_cols = 1.0f / float(cols);
+  float acc_g[NV][VEC], acc_b[kLayer ? NV : 1][VEC];
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      acc_g[j][k] = 0.0f;
+      if (kLayer) acc_b[j][k] = 0.0f;
+    }
+  int phase = 0;
+  // Up to 2 vectors a lane, the next row's x and dy are loaded before this row is reduced
+  // (two rows of loads in flight); wider rows have no registers left for it.
+  constexpr bool kPrefetch = NV <= 2;
+  constexpr int NP = kPrefetch ? NV : 1;
+  uint4 next_x[NP], next_dy[NP];
+  float next_mu = 0.0f, next_r = 0.0f;
+  auto fetch = [&](int64_t row) {
+    warp_row_load<T, NP>(x, row, cols, next_x);
+    warp_row_load<T, NP>(dy, row, cols, next_dy);
+    if (kLayer) next_mu = mean[row];
+    next_r = rstd[row];
+  };
+  if constexpr (kPrefetch)
+    if (first < last) fetch(first);
+#pragma unroll 1
+  for (int64_t row = first; row < last; ++row) {
+    const int64_t base = row * cols;
+    uint4 raw_x[NV], raw_dy[NV];
+    float mu, r;
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) raw_x[j] = next_x[j], raw_dy[j] = next_dy[j];
+      mu = next_mu, r = next_r;
+      if (row + 1 < last) fetch(row + 1);
+    } else {
+      warp_row_load<T, NV>(x, row, cols, raw_x);
+      warp_row_load<T, NV>(dy, row, cols, raw_dy);
+      mu = kLayer ? mean[row] : 0.0f, r = rstd[row];
+    }
+    float sums[2] = {0.0f, 0.0f};  // sum(g), sum(g * xhat), g = dy * gamma
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int c = warp_row_col(j, VEC);
+      if (c >= ncols) continue;
+      float xv[VEC], d[VEC], g[VEC], p0 = 0.0f, p1 = 0.0f;
+      unpack16<T>(raw_x[j], xv);
+      unpack16<T>(raw_dy[j], d);
+      load_param<VEC>(gamma, c, g);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = kLayer ? __fmul_rn(__fsub_rn(xv[k], mu), r) : __fmul_rn(xv[k], r);
+        const float gk = __fmul_rn(d[k], g[k]);
+        if (kLayer) p0 += gk;
+        p1 = fmaf(gk, xh, p1);
+        acc_g[j][k] = fmaf(d[k], xh, acc_g[j][k]);
+        if (kLayer) acc_b[j][k] += d[k];
+      }
+      sums[0] += p0;
+      sums[1] += p1;
+    }
+    warp_row_sum(sums, red[threadIdx.y], phase);
+    const float mean_g = sums[0] * inv_cols, mean_g_xhat = sums[1] * inv_cols;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int c = warp_row_col(j, VEC);
+      if (c >= ncols) continue;
+      float xv[VEC], d[VEC], g[VEC], out[VEC];
+      unpack16<T>(raw_x[j], xv);
+      unpack16<T>(raw_dy[j], d);
+      load_param<VEC>(gamma, c, g);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = kLayer ? __fmul_rn(__fsub_rn(xv[k], mu), r) : __fmul_rn(xv[k], r);
+        const float gk = __fmul_rn(d[k], g[k]);
+        const float t = __fmul_rn(xh, mean_g_xhat);
+        out[k] = kLayer ? __fmul_rn(r, __fsub_rn(__fsub_rn(gk, mean_g), t)) : __fmul_rn(r, __fsub_rn(gk, t));
+      }
+      if constexpr (kAdd) {
+        float dr[VEC];
+        unpack16<T>(*reinterpret_cast<const uint4*>(d_residual + base + c), dr);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) out[k] = __fadd_rn(round_to_storage<T>(out[k]), dr[k]);
+      }
+      store_vec<T, VEC>(dx + base + c, out);
+    }
+  }
+  float* out_g = dgamma_part + int64_t(blockIdx.x) * cols;
+  float* out_b = kLayer && dbeta_part ? dbeta_part + int64_t(blockIdx.x) * cols : nullptr;
+  if (blockDim.y > 1) {
+    extern __shared__ float columns[];  // [cols] dgamma, then [cols] dbeta
+    // Group 0 stores, the others add in turn (a group without rows adds its zeros).
+    auto fold = [&](float* column, const float (&acc)[VEC], bool first_group) {
+#pragma unroll
+      for (int q = 0; q < VEC / 4; ++q) {
+        float4 v = first_group ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : reinterpret_cast<const float4*>(column)[q];
+        v.x += acc[4 * q], v.y += acc[4 * q + 1], v.z += acc[4 * q + 2], v.w += acc[4 * q + 3];
+        reinterpret_cast<float4*>(column)[q] = v;
+      }
+    };
+#pragma unroll 1
+    for (int g = 0; g < int(blockDim.y); ++g) {
+      if (int(threadIdx.y) == g) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          const int c = warp_row_col(j, VEC);
+          if (c >= ncols) continue;
+          fold(columns + c, acc_g[j], g == 0);
+          if (out_b) fold(columns + ncols + c, acc_b[j], g == 0);
+        }
+      }
+      __syncthreads();
+    }
+    // The block's sums, written by all its threads (cols is a multiple of 4).
+    const int threads = int(blockDim.x * blockDim.y), t = int(threadIdx.y * blockDim.x + threadIdx.x);
+    for (int c = 4 * t; c < ncols; c += 4 * threads) {
+      *reinterpret_cast<float4*>(out_g + c) = *reinterpret_cast<const float4*>(columns + c);
+      if (out_b) *reinterpret_cast<float4*>(out_b + c) = *reinterpret_cast<const float4*>(columns + ncols + c);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = warp_row_col(j, VEC);
+    if (c >= ncols) continue;
+    store_vec<float, VEC>(out_g + c, acc_g[j]);
+    if (out_b) store_vec<float, VEC>(out_b + c, acc_b[j]);
+  }
+}
+
+}  // namespace
+
+}  // namespace tessera::cuda
