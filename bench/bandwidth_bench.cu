@@ -22,9 +22,16 @@
 // statistics, bytes equal for FP8 codes); parameter gradients, the loss and amax take the
 // CPU reference over the whole tensor. NaN never passes.
 //
+// blockcast: the fused 1x128 FP8 cast with both copies against its two-pass path.
+//
 // Usage: bench_bandwidth [runs] [filter] [--sweep-norm]
 //   filter: run only ops whose name contains it (for profiling one kernel with ncu, runs = 1);
-//   --sweep-norm: repeat under every launch shape of the norm kernels (cuda::NormTuning)
+//   --sweep-norm: repeat under every launch shape of the norm kernels (cuda::NormTuning),
+//   the row-group and the warp-row families (--sweep-norm-warp: the warp-row family only)
+//   --sweep-softmax: repeat under each softmax forward / cross-entropy kernel choice
+//     (cuda::RowTuning: previous kernels, warp-row kernels with automatic and forced lanes
+//     per row) at both shapes; the filter may list several names, comma-separated
+//     (e.g. `bench_bandwidth 20 softmax,cross_entropy --sweep-softmax`)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,8 +47,10 @@
 #include "gpu_timing.h"
 #include "backend/cuda/copy.h"
 #include "backend/cuda/norm.h"
+#include "backend/cuda/softmax_tuning.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/random.h"
+#include "tessera/fp8/block_quantized_tensor.h"
 #include "tessera/ops/activation.h"
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/loss.h"
@@ -147,7 +156,17 @@ struct Table {
   double copy_gbs = 0;
   std::vector<Result> results;
 
-  bool wanted(const std::string& name) const { return !g_filter || name.find(g_filter) != std::string::npos; }
+  // The filter's comma-separated names: any one contained in `name`.
+  bool wanted(const std::string& name) const {
+    if (!g_filter) return true;
+    const std::string f = g_filter;
+    for (size_t a = 0; a <= f.size();) {
+      const size_t b = std::min(f.find(',', a), f.size());
+      if (b > a && name.find(f.substr(a, b - a)) != std::string::npos) return true;
+      a = b + 1;
+    }
+    return false;
+  }
 
   void add(const std::string& name, double bytes, double ms, const std::string& check) {
     const double gbs = bytes / (ms * 1e-3) * 1e-9;
@@ -487,6 +506,36 @@ void run_shape(int64_t R, int64_t C) {
     c.expect(byte_mismatch(q_t, want), 0, "transpose");
     table.add("transpose_2d E4M3 codes", 2 * N, ms, c.text());
   }
+
+  // ---- FP8 1x128 block cast, both copies (the "block" recipe's activations and gradients) ----
+  // fp8::quantize_blockwise_with_transpose (fused kernel: x read once) against its two-pass
+  // path (quantize, transpose x, quantize x^T, scale rearrangement), equality checked in the
+  // same run (every byte of every output). Bytes: x read, both code copies written, and the
+  // four scale grids (4 B per 128 elements each), the same count for both.
+  if (table.wanted("blockcast")) {
+    const BlockScaling blocks = BlockScaling::tile_1x128();
+    auto fused = [&] { return fp8::quantize_blockwise_with_transpose(gpu, x, blocks, DType::E4M3); };
+    auto two_pass = [&] { return fp8::quantize_blockwise_with_transpose_two_pass(gpu, x, blocks, DType::E4M3); };
+    const double ms_f = median_ms([&] { fused(); }, g_runs), ms_t = median_ms([&] { two_pass(); }, g_runs);
+    const fp8::BlockQuantizedTensor a = fused(), b = two_pass();
+    Check c;
+    c.expect(byte_mismatch(a.data, b.data), 0, "data");
+    c.expect(byte_mismatch(a.data_t, b.data_t), 0, "data_t");
+    c.expect(byte_mismatch(a.scale_inv, b.scale_inv), 0, "scale_inv");
+    c.expect(byte_mismatch(a.scale_inv_t, b.scale_inv_t), 0, "scale_inv_t");
+    c.expect(byte_mismatch(a.gemm_scale_inv, b.gemm_scale_inv), 0, "gemm_scale_inv");
+    c.expect(byte_mismatch(a.gemm_scale_inv_t, b.gemm_scale_inv_t), 0, "gemm_scale_inv_t");
+    {  // and the sample rows of data against the CPU reference
+      Tensor sx = sample(x), wq = Tensor::empty(sx.shape(), DType::E4M3, kCpu);
+      Tensor ws = Tensor::empty(block_scale_shape(sx.size(0), C, blocks), f32, kCpu);
+      quantize_blockwise(cpu, sx, wq, ws, blocks);
+      c.expect(byte_mismatch(sample(a.data), wq), 0, "data vs cpu");
+      c.expect(byte_mismatch(sample(a.scale_inv), ws), 0, "scale_inv vs cpu");
+    }
+    const double bytes = A + 2 * N + 4 * 4.0 * (N / 128);
+    table.add("blockcast 1x128 fused (both copies)", bytes, ms_f, c.text());
+    table.add("blockcast 1x128 two-pass", bytes, ms_t, c.text());
+  }
   table.print();
 }
 
@@ -503,14 +552,56 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("bench_bandwidth on %s (%d SMs, %.0f MB L2)\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize / 1e6);
-  if (argc > 3 && std::strcmp(argv[3], "--sweep-norm") == 0) {
+  if (argc > 3 && std::strcmp(argv[3], "--sweep-softmax") == 0) {
+    // The softmax forward and cross-entropy kernels under each choice (cuda::RowTuning), to
+    // choose the defaults: the previous kernels, then the warp-row ones (automatic lanes per
+    // row, then 8 / 16 / 32 forced where they hold the row) with the flat backward (4, then
+    // 8 vectors a thread). Every row carries its result check.
+    struct Choice {
+      const char* what;
+      cuda::RowTuning tuning;
+    };
+    const Choice choices[] = {
+        {"previous kernels (1)", {1, 1, 1, 0, 0}},
+        {"warp-row, automatic lanes; flat backward, 4 vectors", {0, 0, 0, 0, 4}},
+        {"warp-row, 8 lanes a row; flat backward, 8 vectors", {0, 0, 0, 8, 8}},
+        {"warp-row, 16 lanes a row", {0, 0, 0, 16, 4}},
+        {"warp-row, 32 lanes a row", {0, 0, 0, 32, 4}},
+    };
+    for (const Choice& c : choices) {
+      cuda::set_row_tuning(c.tuning);
+      std::printf("\n#### softmax / cross-entropy kernels: %s\n", c.what);
+      run_shape(16384, 4096);
+      run_shape(16384, 768);
+    }
+    cuda::set_row_tuning({});
+    return 0;
+  }
+  const bool sweep_warp_only = argc > 3 && std::strcmp(argv[3], "--sweep-norm-warp") == 0;
+  if (argc > 3 && (std::strcmp(argv[3], "--sweep-norm") == 0 || sweep_warp_only)) {
     // The norm kernels under each launch shape (cuda::NormTuning), to choose the defaults.
     for (int persistent : {1, 0})
       for (int nv : {2, 4, 8}) {
+        if (sweep_warp_only) break;
         const int backward_nv = nv == 2 ? 1 : 2;
         cuda::set_norm_tuning({nv, persistent, backward_nv});
         std::printf("\n#### norm tuning: forward %d vectors a thread, %s; backward %d vectors a thread\n", nv,
                     persistent ? "persistent" : "one row per group", backward_nv);
+        run_shape(16384, 4096);
+      }
+    // The warp-row kernels (NormTuning::kernel = 2, norm_warp.cuh) under their launch shapes:
+    // words of a row per lane (forward default 32: C = 4096 BF16 on two warps; 64: one warp;
+    // 16: four warps; backward default 8: eight warps; 16 or more: four), one row per group
+    // or persistent (forward only).
+    for (int persistent : {0, 1})
+      for (int words : {0, 64, 16}) {
+        cuda::NormTuning t;
+        t.forward_persistent = persistent;
+        t.kernel = 2;
+        t.warp_words = words;
+        cuda::set_norm_tuning(t);
+        std::printf("\n#### norm tuning: warp-row kernels, %d words a lane (0 = default), %s\n", words,
+                    persistent ? "persistent" : "one row per group");
         run_shape(16384, 4096);
       }
     cuda::set_norm_tuning({});

@@ -29,6 +29,13 @@
 // logit loaded beside the row, PDL and exp2 (2026-11-30): forward 68%, backward 72%; at
 // 16384 x 768 (rows of 1.5 KB, launch and tail bound) 45% / 44%. Still short of the 85%
 // goal: a row of 4096 is too short to keep enough bytes in flight per SM.
+// Warp-row forward and flat backward (the defaults where they apply; softmax_tuning.h keeps
+// the kernels above selectable): rows of up to 4096 BF16 / 2048 F32 logits with vocabulary
+// and stride multiples of 8 are held by 4 to 32 lanes of one warp (row_lse.cuh: one online
+// pass over the registers, one merged butterfly, no barrier), and the loss block reduces
+// with shuffles. The backward needs no reduction: it maps 16-byte vectors of the whole
+// [N, V] gradient, 4 (or 8) per thread with all loads issued first, so short rows fill whole
+// blocks. Floors as above. Speed: not yet measured.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,6 +44,8 @@
 #include "cuda_check.h"
 #include "index_error.h"
 #include "loss.h"
+#include "row_lse.cuh"
+#include "softmax_tuning.h"
 #include "vec_io.cuh"
 
 namespace tessera::cuda {
@@ -260,6 +269,32 @@ __global__ void __launch_bounds__(kLseMaxGroup)
   target.write(row, value, terms);
 }
 
+// The warp-row forward (the default where it applies): rows of vocab % 8 == 0 logits, row
+// stride a multiple of 8 and 16-byte aligned, held by G lanes of one warp (row_lse.cuh: one
+// merged (max, sum) butterfly, no barrier); 128-thread blocks of 128 / G rows. The target is
+// handled as in lse_rows_kernel (lane 0: index before the row, logit after its loads).
+template <typename T, typename Tg, int NV>
+__global__ void __launch_bounds__(warprow::kThreads, (warprow::min_blocks<T, NV>()))
+    lse_warp_kernel(const T* logits, const Tg* targets, float* lse, double* terms, int64_t rows, int vocab,
+                    int64_t ld, int64_t ignore_index, int g) {
+  pdl_launch_dependents();  // the loss kernel may start; it waits before reading terms
+  const int lane = int(threadIdx.x) & (g - 1);
+  const int64_t row = int64_t(blockIdx.x) * (warprow::kThreads / g) + threadIdx.x / g;
+  const bool live = row < rows;
+  const T* x = logits + (live ? row : 0) * ld;
+  RowTarget target;
+  if (live && lane == 0) target.fetch(targets, row);
+  warprow::RegRow<T, NV> r;
+  r.load(x, live, lane, g, vocab);
+  if (live && lane == 0) target.gather(x, vocab, ignore_index);
+  float m, sum;
+  r.lse_online(g, m, sum);
+  if (!live || lane != 0) return;
+  const float value = lse_value(m, sum);
+  lse[row] = value;
+  target.write(row, value, terms);
+}
+
 // ---- Fixed-order block sums ---------------------------------------------------------------
 
 template <typename V>
@@ -276,6 +311,23 @@ __device__ V block_sum(V v) {
   return result;
 }
 
+// The same sum over a kReduceThreads block in a fixed order with shuffles: a butterfly per
+// warp, then one over the 32 warp sums (two barrier-free steps and one barrier, against the
+// tree's eleven). `shared`: 32 entries, one array per call site (no reuse: no trailing barrier).
+template <typename V>
+__device__ __forceinline__ V warp_sum(V v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+template <typename V>
+__device__ __forceinline__ V block_sum_shfl(V v, V* shared) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return warp_sum(threadIdx.x % 32 < kReduceThreads / 32 ? shared[threadIdx.x % 32] : V(0));
+}
+
 // loss = sum over valid rows of terms[n] (= lse[n] - logits[n, target]) / n_valid, in double;
 // NaN when a target is bad. One block of kReduceThreads; thread i takes rows i, i + 1024, ...
 // in that order, loading kUnroll of them before adding (the loads overlap; the order of the
@@ -283,7 +335,8 @@ __device__ V block_sum(V v) {
 // added: the same bits as adding the valid ones only. Launched as a programmatic dependent
 // of the row kernel: the targets (written before that kernel) are counted while its last
 // rows run; the terms only after pdl_wait.
-template <typename Tg>
+// kFast (the warp-row path's): the counts are reduced before pdl_wait, with shuffles.
+template <typename Tg, bool kFast>
 __global__ void __launch_bounds__(kReduceThreads)
     loss_kernel(const Tg* targets, const double* terms, void* loss, bool loss_f64, int64_t rows, int64_t vocab,
                 int64_t ignore_index, IndexErrorSink sink) {
@@ -306,21 +359,34 @@ __global__ void __launch_bounds__(kReduceThreads)
       ++valid;
     }
   }
+  __shared__ int64_t shared_valid[32], shared_bad[32];
+  __shared__ double shared_sum[32];
+  if constexpr (kFast) {
+    valid = block_sum_shfl(valid, shared_valid);
+    bad = block_sum_shfl(bad, shared_bad);
+  }
   pdl_wait();
+  // kFast: 16 terms in flight per thread, so up to 16384 rows cost one round trip after the
+  // wait (the addition order is the same: row i, i + 1024, ... per thread).
+  constexpr int kTerms = kFast ? 16 : kUnroll;
   double sum = 0;
-  for (int64_t n0 = threadIdx.x; n0 < rows; n0 += int64_t(kUnroll) * kReduceThreads) {
-    double term[kUnroll];
+  for (int64_t n0 = threadIdx.x; n0 < rows; n0 += int64_t(kTerms) * kReduceThreads) {
+    double term[kTerms];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kTerms; ++u) {
       const int64_t n = n0 + int64_t(u) * kReduceThreads;
       term[u] = n < rows ? terms[n] : 0.0;
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) sum += term[u];
+    for (int u = 0; u < kTerms; ++u) sum += term[u];
   }
-  sum = block_sum(sum);
-  valid = block_sum(valid);
-  bad = block_sum(bad);
+  if constexpr (kFast) {
+    sum = block_sum_shfl(sum, shared_sum);
+  } else {
+    sum = block_sum(sum);
+    valid = block_sum(valid);
+    bad = block_sum(bad);
+  }
   if (threadIdx.x != 0) return;
   const double value = bad > 0 ? NAN : (valid > 0 ? sum / static_cast<double>(valid) : 0.0);
   if (loss_f64) *static_cast<double*>(loss) = value;
@@ -330,22 +396,28 @@ __global__ void __launch_bounds__(kReduceThreads)
 // scale = d_loss / n_valid (0 when no row is valid), rounded once to float as the CPU does.
 // It lets the gradient kernel (its programmatic dependent) start at once: that kernel loads
 // its rows, then waits for this one's result.
-template <typename Tg>
+template <typename Tg, bool kFast>
 __global__ void __launch_bounds__(kReduceThreads)
     grad_scale_kernel(const Tg* targets, int64_t rows, int64_t ignore_index, float d_loss, float* scale) {
   pdl_launch_dependents();
+  constexpr int kTargets = kFast ? 16 : kUnroll;  // kFast: 16384 rows in one round trip
   int64_t valid = 0;
-  for (int64_t n0 = threadIdx.x; n0 < rows; n0 += int64_t(kUnroll) * kReduceThreads) {
-    int64_t t[kUnroll];
+  for (int64_t n0 = threadIdx.x; n0 < rows; n0 += int64_t(kTargets) * kReduceThreads) {
+    int64_t t[kTargets];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kTargets; ++u) {
       const int64_t n = n0 + int64_t(u) * kReduceThreads;
       t[u] = n < rows ? static_cast<int64_t>(targets[n]) : ignore_index;
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) valid += t[u] != ignore_index;
+    for (int u = 0; u < kTargets; ++u) valid += t[u] != ignore_index;
   }
-  valid = block_sum(valid);
+  if constexpr (kFast) {
+    __shared__ int64_t shared_valid[32];
+    valid = block_sum_shfl(valid, shared_valid);
+  } else {
+    valid = block_sum(valid);
+  }
   if (threadIdx.x == 0)
     *scale = valid > 0 ? static_cast<float>(static_cast<double>(d_loss) / static_cast<double>(valid)) : 0.0f;
 }
@@ -434,6 +506,70 @@ __global__ void __launch_bounds__(kGradThreads)
   }
 }
 
+// The flat backward (the default where it applies): the gradient is a map of each logit
+// given its row's lse and target, so no row needs a block. The [N, V] logits are walked as
+// N * V / 8 16-byte vectors (vocab, both row strides multiples of 8, both bases 16-byte
+// aligned, fewer than 2^32 vectors), K per thread, a warp's contiguous: every thread issues
+// its K loads first, then its rows' target and lse (cached: a row's vectors share them),
+// then waits for the scale (pdl_wait: grad_scale_kernel is its programmatic predecessor).
+// Short rows (768) thus fill whole blocks instead of leaving most of a 256-thread row block
+// idle. Same arithmetic as grad_kernel (the FP8 backward's bytes rely on it); a bad target's
+// row is NaN and reported by the thread holding its first vector; d_logits may be logits.
+template <typename T, typename Out, typename Tg, int K>
+__global__ void __launch_bounds__(kGradThreads, (sizeof(T) == 2 ? (K <= 4 ? 4 : 2) : 1))
+    grad_flat_kernel(const T* logits, const Tg* targets, const float* lse, const float* scale_ptr, Out* d_logits,
+                     uint32_t total, uint32_t vectors_per_row, int64_t vocab, int64_t ld, int64_t ld_out,
+                     int64_t ignore_index, IndexErrorSink sink) {
+  const uint32_t first = blockIdx.x * uint32_t(kGradThreads * K) + threadIdx.x;
+  vec::Packed8<T> p[K];
+  uint32_t row[K], col[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const uint32_t i = first + uint32_t(k * kGradThreads);
+    row[k] = i / vectors_per_row;
+    col[k] = (i - row[k] * vectors_per_row) * kWidth;
+    if (i < total) vec::load_packed(logits + int64_t(row[k]) * ld + col[k], p[k]);
+  }
+  // Per vector, what the target makes of it (int, not the int64 target: fewer registers,
+  // more vectors in flight): kIgnored, kBad, or the target's offset in the vector (0..7),
+  // kWidth when it lies elsewhere in the row.
+  constexpr int kIgnored = -1, kBad = -2;
+  int code[K];
+  float row_lse[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const bool in = first + uint32_t(k * kGradThreads) < total;
+    const int64_t t = in ? static_cast<int64_t>(targets[row[k]]) : ignore_index;
+    const int64_t offset = t - int64_t(col[k]);
+    code[k] = t == ignore_index          ? kIgnored
+              : (t < 0 || t >= vocab)   ? kBad
+              : (offset >= 0 && offset < kWidth) ? int(offset)
+                                                 : kWidth;
+    row_lse[k] = in ? lse[row[k]] : 0.0f;
+  }
+  pdl_wait();  // every thread (see pdl_wait)
+  const float scale = *scale_ptr;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (first + uint32_t(k * kGradThreads) >= total) break;
+    const bool fixed = code[k] < 0;
+    const float fixed_value = code[k] == kIgnored ? 0.0f : NAN;
+    float w[kWidth];
+    vec::unpack(p[k], w);
+#pragma unroll
+    for (int e = 0; e < kWidth; ++e) {
+      const float q = scale * exp2f((w[e] - row_lse[k]) * kLog2e);
+      w[e] = fixed ? fixed_value : (e == code[k] ? q - scale : q);
+    }
+    vec::store8(d_logits + int64_t(row[k]) * ld_out + col[k], w);
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (first + uint32_t(k * kGradThreads) >= total) break;
+    if (col[k] == 0 && code[k] == kBad) record_bad_index(sink, static_cast<int64_t>(targets[row[k]]), row[k]);
+  }
+}
+
 // Launches kernel as a programmatic dependent of the previous work on stream s (see pdl_wait).
 // kUsePdl = false makes it an ordinary launch (the kernels stay correct: pdl_wait is then a
 // no-op and the stream orders them).
@@ -482,7 +618,19 @@ void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& tar
     dispatch_targets(targets, [&](auto* ttag) {
       using Tg = std::remove_pointer_t<decltype(ttag)>;
       const Tg* tg = targets.data<Tg>();
-      if (rows > 0) {
+      const RowTuning tuning = row_tuning();
+      const warprow::Shape warp_shape =
+          tuning.cross_entropy_forward == 0 && vocab % kWidth == 0 && ld % kWidth == 0 && vec::aligned16(x)
+              ? warprow::shape_for(vocab / kWidth, int(sizeof(vec::Packed8<T>) / 4), tuning.group)
+              : warprow::Shape{};
+      if (rows > 0 && warp_shape.nv > 0) {
+        const int per_block = warprow::kThreads / warp_shape.group;
+        const unsigned blocks = static_cast<unsigned>((rows + per_block - 1) / per_block);
+        warprow::dispatch_nv<warprow::max_nv<T>()>(warp_shape.nv, [&](auto nv_tag) {
+          lse_warp_kernel<T, Tg, decltype(nv_tag)::value><<<blocks, warprow::kThreads, 0, s>>>(
+              x, tg, lse.data<float>(), terms.data<double>(), rows, int(vocab), ld, ignore_index, warp_shape.group);
+        });
+      } else if (rows > 0) {
         // Registers when the rows are 16-byte aligned and short enough; else the looping kernel.
         const int64_t units = vocab % kWidth == 0 && ld % kWidth == 0 && vec::aligned16(x) ? vocab / kWidth : 0;
         // A thread holds about 32 registers of the row: 8 packed BF16 vectors or 4 F32 ones.
@@ -510,8 +658,12 @@ void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& tar
         }
       }
       // Also for rows = 0: the loss is then written as 0.
-      launch_pdl(loss_kernel<Tg>, 1, kReduceThreads, s, tg, static_cast<const double*>(terms.data<double>()),
-                 loss.raw_data(), loss.dtype() == DType::F64, rows, vocab, ignore_index, sink);
+      auto loss_launch = [&](auto kernel) {
+        launch_pdl(kernel, 1, kReduceThreads, s, tg, static_cast<const double*>(terms.data<double>()),
+                   loss.raw_data(), loss.dtype() == DType::F64, rows, vocab, ignore_index, sink);
+      };
+      if (tuning.cross_entropy_forward == 0) loss_launch(loss_kernel<Tg, true>);
+      else loss_launch(loss_kernel<Tg, false>);
     });
   });
   TESSERA_CUDA_CHECK_LAUNCH();
@@ -530,18 +682,41 @@ void cross_entropy_backward(void* stream, const Tensor& logits, const Tensor& ta
   const IndexErrorSink sink =
       index_error_sink(logits.device().index, IndexOp::CrossEntropyBackward, vocab, ignore_index);
   Tensor scale = Tensor::empty({1}, DType::F32, logits.device());  // d_loss / n_valid, computed on the device
+  const RowTuning tuning = row_tuning();
+  const int64_t ld = logits.stride(0), ld_out = d_logits.stride(0);
+  const int64_t total = rows * (vocab / kWidth);
+  const bool flat = tuning.cross_entropy_backward == 0 && vocab % kWidth == 0 && ld % kWidth == 0 &&
+                    ld_out % kWidth == 0 && vec::aligned16(logits.raw_data()) && vec::aligned16(d_logits.raw_data()) &&
+                    total > 0 && total < (int64_t(1) << 32) - int64_t(kGradThreads) * 8;
+  const int per_thread = tuning.backward_vectors == 8 ? 8 : 4;
   dispatch_targets(targets, [&](auto* ttag) {
     using Tg = std::remove_pointer_t<decltype(ttag)>;
-    grad_scale_kernel<Tg><<<1, kReduceThreads, 0, s>>>(targets.data<Tg>(), rows, ignore_index, d_loss,
-                                                       scale.data<float>());
+    if (flat)
+      grad_scale_kernel<Tg, true><<<1, kReduceThreads, 0, s>>>(targets.data<Tg>(), rows, ignore_index, d_loss,
+                                                               scale.data<float>());
+    else
+      grad_scale_kernel<Tg, false><<<1, kReduceThreads, 0, s>>>(targets.data<Tg>(), rows, ignore_index, d_loss,
+                                                                scale.data<float>());
     vec::dispatch(logits.dtype(), "cross_entropy_backward", [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       vec::dispatch(d_logits.dtype(), "cross_entropy_backward", [&](auto* otag) {
         using Out = std::remove_pointer_t<decltype(otag)>;
-        launch_pdl(grad_kernel<T, Out, Tg>, static_cast<unsigned>(rows), kGradThreads, s,
-                   static_cast<const T*>(logits.data<T>()), static_cast<const Tg*>(targets.data<Tg>()),
-                   static_cast<const float*>(lse.data<float>()), static_cast<const float*>(scale.data<float>()),
-                   d_logits.data<Out>(), vocab, logits.stride(0), d_logits.stride(0), ignore_index, sink);
+        const T* x = logits.data<T>();
+        const Tg* tg = targets.data<Tg>();
+        const float *lse_p = lse.data<float>(), *scale_p = scale.data<float>();
+        if (flat) {
+          auto launch = [&](auto kernel, int k) {
+            const int64_t blocks = (total + int64_t(kGradThreads) * k - 1) / (int64_t(kGradThreads) * k);
+            launch_pdl(kernel, static_cast<unsigned>(blocks), kGradThreads, s, x, tg, lse_p, scale_p,
+                       d_logits.data<Out>(), static_cast<uint32_t>(total), static_cast<uint32_t>(vocab / kWidth),
+                       vocab, ld, ld_out, ignore_index, sink);
+          };
+          if (per_thread == 8) launch(grad_flat_kernel<T, Out, Tg, 8>, 8);
+          else launch(grad_flat_kernel<T, Out, Tg, 4>, 4);
+        } else {
+          launch_pdl(grad_kernel<T, Out, Tg>, static_cast<unsigned>(rows), kGradThreads, s, x, tg, lse_p, scale_p,
+                     d_logits.data<Out>(), vocab, ld, ld_out, ignore_index, sink);
+        }
       });
     });
   });
