@@ -1,7 +1,10 @@
 // tessera's own Hopper grouped GEMM (backend/cuda/grouped_gemm_wgmma.cu), forward and dgrad, against the CPU
 // reference (small shapes) and against the cuBLASLt per-expert loop of grouped_linear_forward
-// (Mixtral shapes: E = 8, K = 4096, N = 14336, balanced, skewed and odd splits), both tile
-// widths (block_n 256 and 128). Outputs are poisoned (all bits set: NaN) first; rows past the
+// (Mixtral shapes: E = 8, K = 4096, N = 14336, balanced, skewed and odd splits), every kernel
+// variant (cuda::kGroupedGemmVariants: the round-1 baseline, the pipelined cooperative ones,
+// ping-pong). The front ends (forward and backward_input) with the backend switched to Own
+// must match the cuBLASLt loop. The cluster variants (kGroupedGemmClusterVariants) have
+// their own tests at the end of the file. Outputs are poisoned (all bits set: NaN) first; rows past the
 // splits must stay poisoned when the kernel is called directly (it never writes them) and be
 // zero through grouped_linear_forward. A NaN in one expert's row reaches exactly that output
 // row, never a neighbour's (tiles that run past an expert's end load those rows but must not
@@ -102,8 +105,19 @@ Tensor device_offsets(const std::vector<int64_t>& splits) {
 }
 
 struct Restore {
-  ~Restore() { cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas); }
+  cuda::GroupedGemmVariant variant = cuda::grouped_gemm_variant();
+  ~Restore() {
+    cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
+    cuda::set_grouped_gemm_variant(variant);
+  }
 };
+
+// The variants new in round 2 (the Mixtral-sized checks skip the round-1 baseline, which
+// passed them before, to keep the GPU time down).
+const cuda::GroupedGemmVariant kNewVariants[] = {cuda::GroupedGemmVariant::Coop256, cuda::GroupedGemmVariant::Coop128,
+                                                 cuda::GroupedGemmVariant::PingPong128};
+
+const char* name(cuda::GroupedGemmVariant v) { return cuda::grouped_gemm_variant_name(v); }
 
 }  // namespace
 
@@ -118,6 +132,8 @@ TEST(GpuGroupedGemmWgmma, SmallShapesMatchTheCpuReference) {
   const std::vector<Case> cases = {
       {256, 256, {130, 0, 77}, 5},      {128, 192, {1, 129}, 0},          {512, 320, {0, 0, 333, 0}, 0},
       {256, 256, {100, 0, 57, 200}, 3}, {64, 64, {128, 256, 1, 127, 0}, 0}, {256, 384, {0, 0, 0, 0}, 4},
+      // More tiles than SMs, not a multiple of two per CTA: ping-pong's second warpgroup works.
+      {256, 1024, {1500, 0, 1333, 211}, 7},
   };
   uint64_t seed = 9100;
   for (const Case& cs : cases) {
@@ -129,13 +145,13 @@ TEST(GpuGroupedGemmWgmma, SmallShapesMatchTheCpuReference) {
     Tensor ref = Tensor::empty({rows, cs.n}, DType::BF16);
     grouped_linear_forward(cpu, x, w, cs.splits, ref);
     const Tensor xd = x.to(kCuda), wd = w.to(kCuda);
-    for (int block_n : {256, 128}) {
+    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
       Tensor y = poisoned_bf16({rows, cs.n});
       if (!cuda::grouped_gemm_wgmma_supported(xd, wd, y)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::grouped_gemm_wgmma_forward(gpu.stream, xd, wd, device_offsets(cs.splits), y, block_n);
+      cuda::grouped_gemm_wgmma_forward(gpu.stream, xd, wd, device_offsets(cs.splits), y, v);
       const Check c = compare(y, ref, used, true);
       EXPECT_TRUE(passed(c)) << "direct call, K " << cs.k << " N " << cs.n << " splits " << splits_string(cs.splits)
-                             << " extra rows " << cs.extra_rows << " block_n " << block_n << ": " << c.describe(cs.n);
+                             << " extra rows " << cs.extra_rows << " variant " << name(v) << ": " << c.describe(cs.n);
     }
   }
 }
@@ -151,16 +167,16 @@ TEST(GpuGroupedGemmWgmma, NanStaysInItsRow) {
   Tensor ref = Tensor::empty({rows, n}, DType::BF16);
   grouped_linear_forward(cpu, x, w, splits, ref);
   const Tensor xd = x.to(kCuda), wd = w.to(kCuda);
-  for (int block_n : {256, 128}) {
+  for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
     Tensor y = poisoned_bf16({rows, n});
     if (!cuda::grouped_gemm_wgmma_supported(xd, wd, y)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-    cuda::grouped_gemm_wgmma_forward(gpu.stream, xd, wd, device_offsets(splits), y, block_n);
+    cuda::grouped_gemm_wgmma_forward(gpu.stream, xd, wd, device_offsets(splits), y, v);
     const Check c = compare(y, ref, rows, false, nan_row);
-    EXPECT_TRUE(passed(c)) << "rows other than the NaN row, block_n " << block_n << ": " << c.describe(n);
+    EXPECT_TRUE(passed(c)) << "rows other than the NaN row, variant " << name(v) << ": " << c.describe(n);
     const Tensor yh = y.to(Device::cpu());
     int64_t finite = 0;
     for (int64_t j = 0; j < n; ++j) finite += !std::isnan(yh.item(nan_row * n + j));
-    EXPECT_EQ(finite, 0) << "block_n " << block_n << ": the NaN row has " << finite << " finite outputs";
+    EXPECT_EQ(finite, 0) << "variant " << name(v) << ": the NaN row has " << finite << " finite outputs";
   }
 }
 
@@ -176,14 +192,20 @@ TEST(GpuGroupedGemmWgmma, FrontEndMatchesTheCublasLoop) {
     const int64_t k = 512, n = 640, rows = 350;
     const Tensor x = random_tensor({rows, k}, DType::BF16, seed++).to(kCuda);
     const Tensor w = random_tensor({4, n, k}, DType::BF16, seed++, -0.1f, 0.1f).to(kCuda);
-    Tensor want = poisoned_bf16({rows, n}), got = poisoned_bf16({rows, n});
+    Tensor want = poisoned_bf16({rows, n});
     cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
     grouped_linear_forward(gpu, x, w, splits, want);
-    if (!cuda::grouped_gemm_wgmma_supported(x, w, got)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-    cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Own);
-    grouped_linear_forward(gpu, x, w, splits, got);
-    const Check c = compare(got, want, rows, false);
-    EXPECT_TRUE(passed(c)) << "front end, splits " << splits_string(splits) << ": " << c.describe(n);
+    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
+      Tensor got = poisoned_bf16({rows, n});
+      if (!cuda::grouped_gemm_wgmma_supported(x, w, got)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
+      cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Own);
+      cuda::set_grouped_gemm_variant(v);
+      grouped_linear_forward(gpu, x, w, splits, got);
+      cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
+      const Check c = compare(got, want, rows, false);
+      EXPECT_TRUE(passed(c)) << "front end, splits " << splits_string(splits) << " variant " << name(v) << ": "
+                             << c.describe(n);
+    }
   }
 }
 
@@ -208,13 +230,13 @@ TEST(GpuGroupedGemmWgmma, MixtralShapesMatchTheCublasLoop) {
     Tensor want = poisoned_bf16({rows, n});
     cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
     grouped_linear_forward(gpu, x, w, splits, want);
-    for (int block_n : {256, 128}) {
+    for (cuda::GroupedGemmVariant v : kNewVariants) {
       Tensor got = poisoned_bf16({rows, n});
       if (!cuda::grouped_gemm_wgmma_supported(x, w, got)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::grouped_gemm_wgmma_forward(gpu.stream, x, w, device_offsets(splits), got, block_n);
+      cuda::grouped_gemm_wgmma_forward(gpu.stream, x, w, device_offsets(splits), got, v);
       const Check c = compare(got, want, rows, false);
-      EXPECT_TRUE(passed(c)) << "Mixtral E 8 K 4096 N 14336, splits " << splits_string(splits) << " block_n "
-                             << block_n << ": " << c.describe(n);
+      EXPECT_TRUE(passed(c)) << "Mixtral E 8 K 4096 N 14336, splits " << splits_string(splits) << " variant "
+                             << name(v) << ": " << c.describe(n);
     }
   }
 }
@@ -232,6 +254,7 @@ TEST(GpuGroupedGemmWgmma, DgradSmallShapesMatchTheCpuReference) {
   const std::vector<Case> cases = {
       {256, 256, {130, 0, 77}, 5},  {128, 192, {1, 129}, 0},          {512, 320, {0, 0, 333, 0}, 0},
       {64, 448, {100, 0, 57, 200}, 3}, {192, 64, {128, 256, 1, 127, 0}, 0},
+      {256, 1088, {1500, 0, 1333, 211}, 7},  // many tiles, a partial last 256-wide tile
   };
   uint64_t seed = 9500;
   for (const Case& cs : cases) {
@@ -243,14 +266,14 @@ TEST(GpuGroupedGemmWgmma, DgradSmallShapesMatchTheCpuReference) {
     Tensor ref = Tensor::empty({rows, cs.k}, DType::BF16);
     grouped_linear_backward_input(cpu, dy, w, cs.splits, ref);
     const Tensor dyd = dy.to(kCuda), wd = w.to(kCuda);
-    for (int block_n : {256, 128}) {
+    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
       Tensor dx = poisoned_bf16({rows, cs.k});
       if (!cuda::grouped_gemm_wgmma_backward_input_supported(dyd, wd, dx))
         GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::grouped_gemm_wgmma_backward_input(gpu.stream, dyd, wd, device_offsets(cs.splits), dx, block_n);
+      cuda::grouped_gemm_wgmma_backward_input(gpu.stream, dyd, wd, device_offsets(cs.splits), dx, v);
       const Check c = compare(dx, ref, used, true);
       EXPECT_TRUE(passed(c)) << "dgrad, N " << cs.n << " K " << cs.k << " splits " << splits_string(cs.splits)
-                             << " extra rows " << cs.extra_rows << " block_n " << block_n << ": " << c.describe(cs.k);
+                             << " extra rows " << cs.extra_rows << " variant " << name(v) << ": " << c.describe(cs.k);
     }
   }
 }
@@ -273,14 +296,124 @@ TEST(GpuGroupedGemmWgmma, DgradMixtralShapesMatchTheCublasLoop) {
     Tensor want = poisoned_bf16({rows, k});
     cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
     grouped_linear_backward_input(gpu, dy, w, splits, want);
-    for (int block_n : {256, 128}) {
+    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
       Tensor got = poisoned_bf16({rows, k});
       if (!cuda::grouped_gemm_wgmma_backward_input_supported(dy, w, got))
         GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::grouped_gemm_wgmma_backward_input(gpu.stream, dy, w, device_offsets(splits), got, block_n);
+      cuda::grouped_gemm_wgmma_backward_input(gpu.stream, dy, w, device_offsets(splits), got, v);
       const Check c = compare(got, want, rows, false);
-      EXPECT_TRUE(passed(c)) << "dgrad Mixtral E 8 N 14336 K 4096, splits " << splits_string(splits) << " block_n "
-                             << block_n << ": " << c.describe(k);
+      EXPECT_TRUE(passed(c)) << "dgrad Mixtral E 8 N 14336 K 4096, splits " << splits_string(splits) << " variant "
+                             << name(v) << ": " << c.describe(k);
+    }
+  }
+}
+
+// grouped_linear_backward_input with the backend switched to Own (every variant as the
+// process-wide choice): the same result as the cuBLASLt loop, rows past the splits zero.
+TEST(GpuGroupedGemmWgmma, BackwardInputFrontEndMatchesTheCublasLoop) {
+  REQUIRE_GPU();
+  Restore restore;
+  Context gpu = Context::cuda();
+  const std::vector<std::vector<int64_t>> all = {{0, 300, 0, 45}, {100, 0, 57, 190}, {0, 0, 0, 333}};
+  uint64_t seed = 9700;
+  for (const auto& splits : all) {
+    const int64_t n = 640, k = 512, rows = 350;  // w [4, n, k]: dy [rows, n] -> dx [rows, k]
+    const Tensor dy = random_tensor({rows, n}, DType::BF16, seed++).to(kCuda);
+    const Tensor w = random_tensor({4, n, k}, DType::BF16, seed++, -0.1f, 0.1f).to(kCuda);
+    Tensor want = poisoned_bf16({rows, k});
+    cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
+    grouped_linear_backward_input(gpu, dy, w, splits, want);
+    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
+      Tensor got = poisoned_bf16({rows, k});
+      if (!cuda::grouped_gemm_wgmma_backward_input_supported(dy, w, got))
+        GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
+      cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Own);
+      cuda::set_grouped_gemm_variant(v);
+      grouped_linear_backward_input(gpu, dy, w, splits, got);
+      cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
+      const Check c = compare(got, want, rows, false);
+      EXPECT_TRUE(passed(c)) << "backward_input front end, splits " << splits_string(splits) << " variant " << name(v)
+                             << ": " << c.describe(k);
+    }
+  }
+}
+
+// The cluster variants (TMA multicast of the w tile to a pair of CTAs), last in this file:
+// a hang (the barrier guard traps after ~10 s) or fault would end the process. Pairs of M
+// tiles where an expert has an odd number of them (the second CTA computes rows it never
+// stores), a partial last N tile, empty experts; forward and dgrad; CPU reference and the
+// cuBLASLt loop at the Mixtral shapes.
+TEST(GpuGroupedGemmWgmmaCluster, SmallShapesMatchTheCpuReference) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  struct Case {
+    int64_t k, n;  // forward: w [E, n, k]; dgrad: w [E, k, n], dy [rows, k] -> dx [rows, n]
+    std::vector<int64_t> splits;
+    int64_t extra_rows;
+  };
+  const std::vector<Case> cases = {
+      {256, 256, {130, 0, 77}, 5},  {128, 192, {1, 129}, 0},         {512, 320, {0, 0, 333, 0}, 0},
+      {64, 448, {100, 0, 57, 200}, 3}, {256, 1088, {1500, 0, 1333, 211}, 7},
+  };
+  uint64_t seed = 9800;
+  for (const Case& cs : cases) {
+    const int64_t e = static_cast<int64_t>(cs.splits.size());
+    const int64_t used = std::accumulate(cs.splits.begin(), cs.splits.end(), int64_t{0});
+    const int64_t rows = used + cs.extra_rows;
+    const Tensor x = random_tensor({rows, cs.k}, DType::BF16, seed++);
+    const Tensor w = random_tensor({e, cs.n, cs.k}, DType::BF16, seed++, -0.1f, 0.1f);
+    const Tensor wt = random_tensor({e, cs.k, cs.n}, DType::BF16, seed++, -0.1f, 0.1f);  // dgrad: N = k here
+    Tensor ref = Tensor::empty({rows, cs.n}, DType::BF16), ref_dx = Tensor::empty({rows, cs.n}, DType::BF16);
+    grouped_linear_forward(cpu, x, w, cs.splits, ref);
+    grouped_linear_backward_input(cpu, x, wt, cs.splits, ref_dx);
+    const Tensor xd = x.to(kCuda), wd = w.to(kCuda), wtd = wt.to(kCuda);
+    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmClusterVariants) {
+      Tensor y = poisoned_bf16({rows, cs.n}), dx = poisoned_bf16({rows, cs.n});
+      if (!cuda::grouped_gemm_wgmma_supported(xd, wd, y)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
+      cuda::grouped_gemm_wgmma_forward(gpu.stream, xd, wd, device_offsets(cs.splits), y, v);
+      const Check c = compare(y, ref, used, true);
+      EXPECT_TRUE(passed(c)) << "forward, K " << cs.k << " N " << cs.n << " splits " << splits_string(cs.splits)
+                             << " variant " << name(v) << ": " << c.describe(cs.n);
+      cuda::grouped_gemm_wgmma_backward_input(gpu.stream, xd, wtd, device_offsets(cs.splits), dx, v);
+      const Check d = compare(dx, ref_dx, used, true);
+      EXPECT_TRUE(passed(d)) << "dgrad, N " << cs.k << " K " << cs.n << " splits " << splits_string(cs.splits)
+                             << " variant " << name(v) << ": " << d.describe(cs.n);
+    }
+  }
+}
+
+TEST(GpuGroupedGemmWgmmaCluster, MixtralShapesMatchTheCublasLoop) {
+  REQUIRE_GPU();
+  Restore restore;
+  Context gpu = Context::cuda();
+  const int64_t e = 8, k = 4096, n = 14336, rows = 16384;
+  Tensor x = Tensor::empty({rows, k}, DType::BF16, kCuda);
+  Tensor w = Tensor::empty({e, n, k}, DType::BF16, kCuda);
+  Tensor dy = Tensor::empty({rows, n}, DType::BF16, kCuda);
+  fill_uniform(gpu, x, -1, 1, 9900);
+  fill_uniform(gpu, w, -0.02f, 0.02f, 9901);
+  fill_uniform(gpu, dy, -1, 1, 9902);
+  const std::vector<std::vector<int64_t>> all = {
+      std::vector<int64_t>(8, 2048),
+      {3001, 2500, 1999, 2100, 1701, 1555, 1099, 2429},
+      {0, 16384, 0, 0, 0, 0, 0, 0},
+  };
+  for (const auto& splits : all) {
+    Tensor want = poisoned_bf16({rows, n}), want_dx = poisoned_bf16({rows, k});
+    cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
+    grouped_linear_forward(gpu, x, w, splits, want);
+    grouped_linear_backward_input(gpu, dy, w, splits, want_dx);
+    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmClusterVariants) {
+      Tensor got = poisoned_bf16({rows, n}), got_dx = poisoned_bf16({rows, k});
+      if (!cuda::grouped_gemm_wgmma_supported(x, w, got)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
+      cuda::grouped_gemm_wgmma_forward(gpu.stream, x, w, device_offsets(splits), got, v);
+      const Check c = compare(got, want, rows, false);
+      EXPECT_TRUE(passed(c)) << "Mixtral forward, splits " << splits_string(splits) << " variant " << name(v) << ": "
+                             << c.describe(n);
+      cuda::grouped_gemm_wgmma_backward_input(gpu.stream, dy, w, device_offsets(splits), got_dx, v);
+      const Check d = compare(got_dx, want_dx, rows, false);
+      EXPECT_TRUE(passed(d)) << "Mixtral dgrad, splits " << splits_string(splits) << " variant " << name(v) << ": "
+                             << d.describe(k);
     }
   }
 }

@@ -85,6 +85,43 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tmap, uint
       : "memory");
 }
 
+// The same box written to the same shared-memory offset of every CTA of the cluster in
+// `cta_mask`, completing `bar` (same offset) in each of them.
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1,
+                                                      int c2, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4, %5}], [%2], %6;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
+      : "memory");
+}
+
+// ---- Clusters --------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// All threads of all CTAs of the cluster; orders shared-memory writes (barrier inits) before
+// the other CTAs' later accesses.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// The address of the same shared-memory variable in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t map_to_cta(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+// An arrival on a barrier of another CTA of the cluster (address from map_to_cta).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_descriptor(const void* tmap) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 }
@@ -152,6 +189,8 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
 
 // D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, both K-major in shared memory (descriptors);
 // 64 FP32 accumulators per thread. scale_d = 0 starts a fresh sum.
+// kTransB = 1: B is MN-major (its N contiguous), see make_desc_sw128_mn.
+template <int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
       "{\n"
@@ -163,7 +202,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n"
+      "}, %64, %65, p, 1, 1, 0, %67;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -173,12 +212,13 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB)
       : "memory");
 }
 
 // D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, both K-major in shared memory (descriptors);
 // 128 FP32 accumulators per thread. scale_d = 0 starts a fresh sum.
+template <int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
       "{\n"
@@ -194,7 +234,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n"
+      "}, %128, %129, p, 1, 1, 0, %131;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -212,7 +252,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB)
       : "memory");
 }
 
@@ -232,6 +272,47 @@ __device__ __forceinline__ uint64_t make_desc_sw128_mn64(uint32_t smem_byte_addr
   desc |= static_cast<uint64_t>(1024 >> 4) << 32;
   desc |= static_cast<uint64_t>(1) << 62;
   return desc;
+}
+
+// The same layout for MN extents wider than 64: the operand is a row of 64-element MN blocks
+// (one TMA box each, [64 K rows][128 B]) spaced `block_bytes` apart. For MN-major swizzled
+// operands the leading-dimension field is the step from one 64-element MN block to the next
+// and the stride-dimension field the step between 8-row K groups (1024 bytes). Used with
+// m64n128k16 / m64n256k16 and the transpose bit (dgrad's 128 x 256 tiles).
+__device__ __forceinline__ uint64_t make_desc_sw128_mn(uint32_t smem_byte_addr, uint32_t block_bytes) {
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4);
+  desc |= static_cast<uint64_t>((block_bytes >> 4) & 0x3FFF) << 16;
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;
+  desc |= static_cast<uint64_t>(1) << 62;
+  return desc;
+}
+
+// ---- stmatrix: a warp's 8 x 8 BF16 fragments into shared memory ----------------------------
+// x4: four 8 x 8 matrices; register i of lane t holds row t / 4, columns 2 (t % 4) + {0, 1}
+// of matrix i (the wgmma accumulator layout, so a converted accumulator pair goes in as is);
+// lane t gives the shared address of row t % 8 of matrix t / 8 (16 bytes).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// ---- Named barriers (bar.sync / bar.arrive): the ping-pong consumers' ordering ------------
+// `count` threads in all (a multiple of 32): the waiting side runs bar_sync, the signalling
+// side bar_arrive (which does not wait). Id 0 is __syncthreads'.
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
 // D[64 x 64] (+)= A[64 x 16] * B[16 x 64] with A K-major and B MN-major ("transposed": its
