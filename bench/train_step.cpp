@@ -66,6 +66,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"current", "delayed", "block", "mxfp8"}));
   bool fp8_lm_head = false;
   app.add_flag("--fp8-lm-head", fp8_lm_head, "With --fp8: the LM head's GEMMs in FP8 too (fp8.lm_head)");
+  bool fp8_keep_weight_transpose = false;
+  app.add_flag("--fp8-keep-weight-transpose", fp8_keep_weight_transpose,
+               "With --fp8: keep each FP8 layer's transposed weight codes from forward to backward (the old "
+               "behaviour, fp8.keep_weight_transpose) instead of re-casting them in backward");
   bool unfused_fp8_activation = false;
   app.add_flag("--unfused-fp8-activation", unfused_fp8_activation,
                "With --fp8: the MLP writes its activation in BF16 and casts it in a separate pass (the path "
@@ -93,13 +97,14 @@ int main(int argc, char** argv) {
     std::shared_ptr<nn::Fp8Scaling> fp8_state;
     if (!fp8_recipe.empty()) {
       if (precision != "bf16") throw std::runtime_error("--fp8 needs --precision bf16");
-    } else if (fp8_lm_head) {
-      throw std::runtime_error("--fp8-lm-head needs --fp8");
+    } else if (fp8_lm_head || fp8_keep_weight_transpose) {
+      throw std::runtime_error(fp8_lm_head ? "--fp8-lm-head needs --fp8" : "--fp8-keep-weight-transpose needs --fp8");
     }
+    const nlohmann::json fp8_json = {
+        {"recipe", fp8_recipe}, {"lm_head", fp8_lm_head}, {"keep_weight_transpose", fp8_keep_weight_transpose}};
     nn::MLP::set_fused_fp8_activation(!unfused_fp8_activation);
     if (!fp8_recipe.empty()) {
-      fp8_state = models::enable_fp8(ctx, model,
-                                     fp8::Recipe::from_json({{"recipe", fp8_recipe}, {"lm_head", fp8_lm_head}}));
+      fp8_state = models::enable_fp8(ctx, model, fp8::Recipe::from_json(fp8_json));
     }
     Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
     for (int64_t i = 0; i < batch * seq; ++i) {
@@ -132,7 +137,7 @@ int main(int argc, char** argv) {
     if (cuda_graph) {
       train::RunConfig run;
       run.model = config;
-      if (fp8_state) run.fp8 = fp8::Recipe::from_json({{"recipe", fp8_recipe}, {"lm_head", fp8_lm_head}});
+      if (fp8_state) run.fp8 = fp8::Recipe::from_json(fp8_json);
       const double eager_median = median;
       graph_info = {{"cuda_graph", false}, {"eager_median_step_s", eager_median}};
       if (auto why = train::cuda_graph_blocker(run, ctx.device)) {
@@ -161,6 +166,7 @@ int main(int argc, char** argv) {
     nlohmann::json out = {{"impl", "tessera"},
                           {"device", device},
                           {"precision", fp8_recipe.empty() ? precision : "fp8-" + fp8_recipe + (fp8_lm_head ? "+head" : "") +
+                                                                 (fp8_keep_weight_transpose ? "+keep-wt" : "") +
                                                                  (unfused_fp8_activation ? "+unfused-act" : "")},
                           {"params", model.num_parameters()},
                           {"median_step_s", median},
@@ -170,7 +176,11 @@ int main(int argc, char** argv) {
                           {"loss", loss}};
     if (cuda_graph) out.update(graph_info);
 #if TESSERA_WITH_CUDA
-    if (ctx.device.is_cuda()) out["peak_memory_gib"] = double(cuda::allocator_stats(0).peak_bytes_reserved) / (1ull << 30);
+    if (ctx.device.is_cuda()) {
+      const cuda::AllocatorStats stats = cuda::allocator_stats(0);
+      out["peak_memory_gib"] = double(stats.peak_bytes_reserved) / (1ull << 30);  // in use + cached
+      out["peak_in_use_gib"] = double(stats.peak_bytes_in_use) / (1ull << 30);
+    }
 #endif
     std::printf("%s\n", out.dump().c_str());
   } catch (const std::exception& e) {

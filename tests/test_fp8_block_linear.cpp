@@ -157,6 +157,15 @@ TEST(Fp8BlockLinear, KeepsOnlyTheCopiesTheBackwardReads) {
     auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe_named(recipe), 1);
     layer.use_fp8({scaling, 0});
     const Tensor x = random_tensor({64, 128}, DType::BF16, 9), dy = random_tensor({64, 256}, DType::BF16, 10);
+    {
+      // The default (no keep_weight_transpose): nothing of W kept, re-cast in backward_input.
+      nn::Linear::Saved lean;
+      layer.forward(ctx, x, lean);
+      EXPECT_FALSE(lean.w_block.data_t.defined() || lean.w_block.scale_inv_t.defined() || lean.w_mx.data_t.defined() ||
+                   lean.w_mx.scales_t.defined());
+      EXPECT_TRUE(lean.x_block.data_t.defined() || lean.x_mx.data_t.defined());
+    }
+    scaling->set_keep_weight_transpose(true);
     nn::Linear::Saved saved;
     layer.forward(ctx, x, saved);
     EXPECT_FALSE(saved.x.defined());

@@ -68,6 +68,8 @@ TEST(Fp8Linear, KeepsOnlyTheCopiesTheBackwardReads) {
   for (const char* recipe : {"current", "delayed"}) {
     nn::Linear layer = bf16_linear(32, 48, true, 1);
     auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe_named(recipe), 1);
+    EXPECT_FALSE(scaling->keep_weight_transpose()) << "the default drops W^T after the forward";
+    scaling->set_keep_weight_transpose(true);
     layer.use_fp8({scaling, 0});
     const Tensor x = random_tensor({64, 32}, DType::BF16, 3, -2, 2);
     const Tensor dy = random_tensor({64, 48}, DType::BF16, 4);
@@ -79,6 +81,15 @@ TEST(Fp8Linear, KeepsOnlyTheCopiesTheBackwardReads) {
     ASSERT_TRUE(saved.x_fp8.data_t.defined() && saved.w_fp8.data_t.defined()) << recipe;
     EXPECT_EQ(saved.x_fp8.data_t.shape(), (Shape{32, 64}));
     EXPECT_EQ(saved.w_fp8.data_t.shape(), (Shape{32, 48}));
+    EXPECT_FALSE(saved.w_scale.defined()) << recipe;
+    // Without keep_weight_transpose only W's scale stays.
+    scaling->set_keep_weight_transpose(false);
+    nn::Linear::Saved lean;
+    layer.forward(ctx, x, lean);
+    EXPECT_FALSE(lean.w_fp8.data.defined() || lean.w_fp8.data_t.defined() || lean.w_fp8.scale_inv.defined()) << recipe;
+    ASSERT_TRUE(lean.w_scale.defined() && lean.x_fp8.data_t.defined()) << recipe;
+    EXPECT_EQ(lean.w_scale.shape(), (Shape{1}));
+    scaling->set_keep_weight_transpose(true);
     // x^T is the transpose of what quantizing x gives now (same scale: current scaling's own
     // amax; delayed scaling's scale does not move before end_step).
     const fp8::QuantizedTensor again = scaling->quantize(ctx, x, 0, nn::Fp8Scaling::kInput);

@@ -31,6 +31,8 @@ TEST(GpuFp8BlockLinear, MatchesTheCpuLayer) {
       }
       auto host_scaling = std::make_shared<nn::Fp8Scaling>(cpu, recipe, 1);
       auto device_scaling = std::make_shared<nn::Fp8Scaling>(gpu, recipe, 1);
+      host_scaling->set_keep_weight_transpose(true);  // W^T's kept codes compared below
+      device_scaling->set_keep_weight_transpose(true);
       host.use_fp8({host_scaling, 0});
       device.use_fp8({device_scaling, 0});
       // Some rows much larger than the rest: per-block scales matter.

@@ -5,7 +5,7 @@
 namespace tessera::nn {
 
 Fp8Scaling::Fp8Scaling(Context& ctx, const fp8::Recipe& recipe, int64_t num_linears)
-    : recipe_(recipe), num_linears_(num_linears) {
+    : recipe_(recipe), num_linears_(num_linears), keep_weight_transpose_(recipe.keep_weight_transpose) {
   TESSERA_CHECK(num_linears >= 0, "Fp8Scaling: num_linears must be >= 0, got ", num_linears);
   if (const auto* delayed = std::get_if<fp8::DelayedScalingConfig>(&recipe_.config)) {
     std::vector<fp8::Role> roles;
@@ -35,19 +35,16 @@ DType Fp8Scaling::dtype(Slot slot) const {
   return fp8::fp8_dtype(format_, slot == kGradOutput ? fp8::Role::Gradient : fp8::Role::Forward);
 }
 
-fp8::QuantizedTensor Fp8Scaling::quantize(Context& ctx, const Tensor& x, int64_t layer, Slot slot) {
+fp8::QuantizedTensor Fp8Scaling::quantize(Context& ctx, const Tensor& x, int64_t layer, Slot slot, Tensor* scale_out) {
   check_layer(layer);
   TESSERA_CHECK(per_tensor(), "Fp8Scaling::quantize: the recipe \"", recipe_.name(),
                 "\" is not per-tensor scaled (use quantize_block / quantize_mx)");
-  if (delayed_) {
-    const int64_t i = 3 * layer + slot;
-    Tensor pending = delayed_->pending_amax(i);
-    return fp8::quantize_with_transpose(ctx, x, delayed_->scale(i), dtype(slot), &pending);
-  }
-  // Current scaling: this tensor's own amax, turned into a scale on the device.
-  Tensor x_amax = Tensor::empty({1}, DType::F32, ctx.device);
-  amax(ctx, x, x_amax);
-  return fp8::quantize_with_transpose(ctx, x, current_scale(ctx, x_amax, slot), dtype(slot));
+  return cast_with(
+      ctx, layer, slot, [&](Tensor& x_amax) { amax(ctx, x, x_amax); },
+      [&](const Tensor& scale, Tensor* x_amax) {
+        if (scale_out) *scale_out = scale;
+        return fp8::quantize_with_transpose(ctx, x, scale, dtype(slot), x_amax);
+      });
 }
 
 fp8::BlockQuantizedTensor Fp8Scaling::quantize_block(Context& ctx, const Tensor& x, int64_t layer, Slot slot) const {

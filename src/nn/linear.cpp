@@ -76,7 +76,7 @@ Tensor Linear::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved
   saved.kind = Fp8Scaling::Kind::PerTensor;
   saved.x = Tensor();
   saved.x_fp8 = x;
-  saved.w_fp8 = fp8_.scaling->quantize(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);
+  saved.w_fp8 = fp8_.scaling->quantize(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight, &saved.w_scale);
   fp8::Fp8GemmOptions options;
   options.fast_accumulate = true;  // forward only, as Transformer Engine does
   options.bias = bias.value;
@@ -87,6 +87,10 @@ Tensor Linear::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved
   // reads them: their blocks serve later work on the same stream, as every temporary does.
   saved.x_fp8.data = Tensor();
   saved.w_fp8.data = Tensor();
+  // Without keep_weight_transpose W^T goes too (out x in bytes per layer, held until the
+  // backward otherwise): backward_input re-casts it with w_scale. With it, the scale goes.
+  if (keep_weight_transpose()) saved.w_scale = Tensor();
+  else saved.w_fp8 = fp8::QuantizedTensor();
   return y;
 }
 
@@ -103,6 +107,7 @@ Tensor Linear::forward_block(Context& ctx, const Tensor& x, Saved& saved) const 
   // As the per-tensor path: the backward reads x^T (column-wise blocks) and W^T only.
   for (fp8::BlockQuantizedTensor* q : {&saved.x_block, &saved.w_block})
     q->data = q->scale_inv = q->gemm_scale_inv = Tensor();
+  if (!keep_weight_transpose()) saved.w_block = fp8::BlockQuantizedTensor();  // re-cast in backward_input
   return y;
 }
 
@@ -117,31 +122,55 @@ Tensor Linear::forward_mx(Context& ctx, const Tensor& x, Saved& saved) const {
   options.bias = bias.value;
   fp8::mxfp8_gemm_emulated(ctx, saved.x_mx, false, saved.w_mx, true, y, options);  // y = x W^T + b
   for (fp8::MxQuantizedTensor* q : {&saved.x_mx, &saved.w_mx}) q->data = q->scales = Tensor();
+  if (!keep_weight_transpose()) saved.w_mx = fp8::MxQuantizedTensor();  // re-cast in backward_input
   return y;
+}
+
+fp8::QuantizedTensor Linear::weight_t(Context& ctx, const Saved& saved) const {
+  if (saved.w_fp8.data_t.defined()) return saved.w_fp8;
+  TESSERA_CHECK(saved.w_scale.defined(), "Linear ", weight.name, ": backward_input needs an FP8 forward first");
+  // The weight is unchanged since the forward (the optimizer steps after the backward) and
+  // so is w_scale (delayed scaling's state changes in end_step only; current scaling's is the
+  // forward's own tensor): the cast gives the forward's codes and scale_inv, bit for bit. It
+  // writes no amax (the forward recorded the weight's). Its row-wise copy goes at once.
+  fp8::QuantizedTensor w =
+      fp8::quantize_with_transpose(ctx, weight.value, saved.w_scale, fp8_.scaling->dtype(Fp8Scaling::kWeight));
+  w.data = Tensor();
+  return w;
+}
+
+fp8::BlockQuantizedTensor Linear::weight_t_block(Context& ctx, const Saved& saved) const {
+  if (saved.w_block.data_t.defined()) return saved.w_block;
+  // The block cast has no state: the same weight gives the same tiles and scales.
+  fp8::BlockQuantizedTensor w = fp8_.scaling->quantize_block(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);
+  w.data = w.scale_inv = w.gemm_scale_inv = Tensor();
+  return w;
+}
+
+fp8::MxQuantizedTensor Linear::weight_t_mx(Context& ctx, const Saved& saved) const {
+  if (saved.w_mx.data_t.defined()) return saved.w_mx;
+  fp8::MxQuantizedTensor w = fp8_.scaling->quantize_mx(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);
+  w.data = w.scales = Tensor();
+  return w;
 }
 
 Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved) const {
   if (saved.fp8 && saved.kind == Fp8Scaling::Kind::Block) {
     saved.dy_block = fp8_.scaling->quantize_block(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput);
     Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
-    fp8::fp8_gemm_blockwise(ctx, saved.dy_block, false, saved.w_block, false, dx);  // dx = dy W
+    fp8::fp8_gemm_blockwise(ctx, saved.dy_block, false, weight_t_block(ctx, saved), false, dx);  // dx = dy W
     saved.dy_block.data = saved.dy_block.scale_inv = saved.dy_block.gemm_scale_inv = Tensor();
     return dx;
   }
   if (saved.fp8 && saved.kind == Fp8Scaling::Kind::Mxfp8) {
     saved.dy_mx = fp8_.scaling->quantize_mx(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput);
     Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
-    fp8::mxfp8_gemm_emulated(ctx, saved.dy_mx, false, saved.w_mx, false, dx);  // dx = dy W
+    fp8::mxfp8_gemm_emulated(ctx, saved.dy_mx, false, weight_t_mx(ctx, saved), false, dx);  // dx = dy W
     saved.dy_mx.data = saved.dy_mx.scales = Tensor();
     return dx;
   }
-  if (saved.fp8) {
-    saved.dy_fp8 = fp8_.scaling->quantize(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput);
-    Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
-    fp8::fp8_gemm(ctx, saved.dy_fp8, false, saved.w_fp8, false, dx);  // dx = dy W
-    saved.dy_fp8.data = Tensor();  // backward_weight reads dy^T (data_t) only
-    return dx;
-  }
+  // Per-tensor: dy cast here (the bias gradient, if any, reads the BF16 dy in backward_weight).
+  if (saved.fp8) return backward_input(ctx, fp8_.scaling->quantize(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput), saved);
   Tensor dx = Tensor::empty({saved.x.size(0), in_}, weight.value.dtype(), ctx.device);
   gemm(ctx, dy, weight.value, dx);  // dx = dy W
   return dx;
@@ -150,15 +179,13 @@ Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved
 Tensor Linear::backward_input(Context& ctx, const fp8::QuantizedTensor& dy, const Saved& saved) const {
   TESSERA_CHECK(saved.fp8 && saved.kind == Fp8Scaling::Kind::PerTensor, "Linear ", weight.name,
                 ": an FP8 output gradient needs a forward that ran in per-tensor FP8");
-  TESSERA_CHECK(!bias.value.defined(), "Linear ", weight.name,
-                ": an FP8 output gradient cannot serve a layer with a bias (its gradient sums dy)");
   TESSERA_CHECK(dy.data.defined() && dy.data_t.defined() && dy.data.dim() == 2 && dy.cols() == out_ &&
                     dy.rows() == saved.x_fp8.rows(),
                 "Linear ", weight.name, ": FP8 output gradient must be [", saved.x_fp8.rows(), ", ", out_,
                 "] with both copies, got ", dy.data.describe());
   saved.dy_fp8 = dy;
   Tensor dx = Tensor::empty({dy.rows(), in_}, weight.value.dtype(), ctx.device);
-  fp8::fp8_gemm(ctx, saved.dy_fp8, false, saved.w_fp8, false, dx);  // dx = dy W
+  fp8::fp8_gemm(ctx, saved.dy_fp8, false, weight_t(ctx, saved), false, dx);  // dx = dy W
   saved.dy_fp8.data = Tensor();  // backward_weight reads dy^T (data_t) only
   return dx;
 }

@@ -15,17 +15,11 @@ bool per_tensor_fp8(const Linear& layer) {
   return layer.fp8_binding().scaling && layer.fp8_binding().scaling->per_tensor();
 }
 
-// Tensor `slot` of `layer` cast as Fp8Scaling::quantize casts it, by `cast(scale, amax_out)`
-// (the fused SwiGLU casts): delayed scaling casts at once with the state's scale, recording
-// the amax in its pending slot; current scaling takes the amax first (`amax(out)`, an amax
-// pass over the same values) and casts with the scale made from it.
+// Tensor `slot` of `layer` cast by `cast(scale, amax_out)` (the fused SwiGLU casts), the
+// scaling chosen as for every other cast (Fp8Scaling::cast_with).
 template <typename Amax, typename Cast>
 fp8::QuantizedTensor cast_as_layer(Context& ctx, const Linear& layer, Fp8Scaling::Slot slot, Amax&& amax, Cast&& cast) {
-  Fp8Scaling& scaling = *layer.fp8_binding().scaling;
-  Fp8Scaling::CastTarget target = scaling.cast_target(ctx, layer.fp8_binding().layer, slot);
-  if (scaling.scale_known_before_cast()) return cast(target.scale, &target.amax);
-  amax(target.amax);
-  return cast(scaling.current_scale(ctx, target.amax, slot), nullptr);
+  return layer.fp8_binding().scaling->cast_with(ctx, layer.fp8_binding().layer, slot, amax, cast);
 }
 
 // h = swiglu(h_pre) as proj's FP8 input, never stored in BF16 (when fused_swiglu_forward).
@@ -93,7 +87,8 @@ Tensor MLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
       saved.fc_in.fp8 && saved.fc_in.kind == Fp8Scaling::Kind::PerTensor && per_tensor_fp8(fc) &&
       !fc.bias.value.defined()) {
     // d_h_pre straight to fc's FP8 output gradient (never in BF16); without a bias nothing
-    // else reads it. h_pre goes as below.
+    // else reads it (fc's bias gradient would need it in BF16: hence the condition above,
+    // which Linear::backward_input(QuantizedTensor) relies on). h_pre goes as below.
     const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
     const fp8::QuantizedTensor d_h_pre = cast_as_layer(
         ctx, fc, Fp8Scaling::kGradOutput, [&](Tensor& amax) { swiglu_backward_amax(ctx, saved.h_pre, d_h, amax); },

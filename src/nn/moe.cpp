@@ -51,6 +51,10 @@ Tensor GroupedLinear::forward_fp8(Context& ctx, MoEFp8Rows x, Fp8Saved& saved) c
   // above still read the row-wise ones: their blocks serve later work on the same stream.
   saved.x = std::move(x);
   saved.x.data = Tensor();
+  // Without keep_weight_transpose W^T goes too (backward_input_fp8 re-casts it with the
+  // kept per-expert scales: the same codes); with it, the scales go.
+  if (fp8_->keep_weight_transpose) saved.w.scales.clear();
+  else saved.w.experts.assign(saved.w.experts.size(), fp8::QuantizedTensor());
   for (auto& w : saved.w.experts) w.data = Tensor();
   return y;
 }
@@ -62,6 +66,17 @@ Tensor GroupedLinear::backward_input_fp8(Context& ctx, const Tensor& dy, Fp8Save
   saved.dy = dy_amax.defined() ? moe_fp8_quantize_rows(ctx, dy, dy_amax, saved.x.splits, fp8, *fp8_)
                                : moe_fp8_quantize_rows(ctx, dy, saved.x.splits, fp8, *fp8_);
   Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
+  if (!saved.w.scales.empty()) {
+    // W^T of each expert with rows, cast again with its forward scale (the weight is
+    // unchanged since the forward): the forward's codes, the row-wise copy dropped at once.
+    const Tensor w3 = weight3d();
+    for (size_t e = 0; e < saved.w.experts.size(); ++e) {
+      if (saved.w.experts[e].data_t.defined() || !saved.w.scales[e].defined()) continue;
+      saved.w.experts[e] = fp8::quantize_with_transpose(ctx, w3.select(0, static_cast<int64_t>(e)), saved.w.scales[e],
+                                                        fp8_->forward_dtype());
+      saved.w.experts[e].data = Tensor();
+    }
+  }
   grouped_linear_backward_input_fp8(ctx, saved.dy, saved.w, dx);
   saved.dy.data = Tensor();  // the wgrad reads dy^T only
   saved.w = MoEFp8Weights();

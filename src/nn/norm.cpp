@@ -80,30 +80,43 @@ fp8::QuantizedTensor Norm::cast_fp8(Context& ctx, const Tensor& x, const Tensor*
   saved.rstd = Tensor::empty({rows}, stats, ctx.device);
   if (kind == NormKind::LayerNorm) saved.mean = Tensor::empty({rows}, stats, ctx.device);
 
-  Fp8Scaling::CastTarget target = scaling.cast_target(ctx, binding.layer, Fp8Scaling::kInput);
-  const bool cast_in_pass = scaling.scale_known_before_cast();
-  NormFp8Output out;
-  out.amax = target.amax;
-  if (cast_in_pass) out.q = Tensor::empty(x.shape(), code, ctx.device);
-  // Delayed: the whole cast. Current: the statistics pass (amax, mean, rstd, sum).
-  if (kind == NormKind::LayerNorm) {
-    if (residual)
-      add_layernorm_forward_fp8(ctx, x, *residual, weight.value, bias.value, eps_, target.scale, saved.x, out,
-                                saved.mean, saved.rstd);
-    else
-      layernorm_forward_fp8(ctx, x, weight.value, bias.value, eps_, target.scale, out, saved.mean, saved.rstd);
-  } else {
-    if (residual)
-      add_rmsnorm_forward_fp8(ctx, x, *residual, weight.value, eps_, target.scale, saved.x, out, saved.rstd);
-    else
-      rmsnorm_forward_fp8(ctx, x, weight.value, eps_, target.scale, out, saved.rstd);
-  }
-  if (cast_in_pass) return fp8::quantized_from_codes(ctx, out.q, target.scale);
-  const Tensor scale = scaling.current_scale(ctx, out.amax, Fp8Scaling::kInput);
-  // The apply pass writes the codes and their transposed copy together (no transpose pass).
-  if (kind == NormKind::LayerNorm)
-    return layernorm_apply_fp8_with_transpose(ctx, saved.x, weight.value, bias.value, saved.mean, saved.rstd, scale);
-  return rmsnorm_apply_fp8_with_transpose(ctx, saved.x, weight.value, saved.rstd, scale);
+  // Delayed scaling: one pass, the whole cast (with the state's scale and pending amax).
+  // Current scaling: the statistics pass (amax, mean, rstd, sum), then the apply pass with
+  // the scale made from that amax, writing the codes and their transposed copy together.
+  const auto norm_pass = [&](const Tensor& scale, NormFp8Output& out) {
+    if (kind == NormKind::LayerNorm) {
+      if (residual)
+        add_layernorm_forward_fp8(ctx, x, *residual, weight.value, bias.value, eps_, scale, saved.x, out, saved.mean,
+                                  saved.rstd);
+      else
+        layernorm_forward_fp8(ctx, x, weight.value, bias.value, eps_, scale, out, saved.mean, saved.rstd);
+    } else {
+      if (residual)
+        add_rmsnorm_forward_fp8(ctx, x, *residual, weight.value, eps_, scale, saved.x, out, saved.rstd);
+      else
+        rmsnorm_forward_fp8(ctx, x, weight.value, eps_, scale, out, saved.rstd);
+    }
+  };
+  return scaling.cast_with(
+      ctx, binding.layer, Fp8Scaling::kInput,
+      [&](Tensor& amax) {
+        NormFp8Output out;
+        out.amax = amax;
+        norm_pass(Tensor(), out);
+      },
+      [&](const Tensor& scale, Tensor* amax) -> fp8::QuantizedTensor {
+        if (amax) {  // delayed: the codes in the same pass
+          NormFp8Output out;
+          out.amax = *amax;
+          out.q = Tensor::empty(x.shape(), code, ctx.device);
+          norm_pass(scale, out);
+          return fp8::quantized_from_codes(ctx, out.q, scale);
+        }
+        if (kind == NormKind::LayerNorm)
+          return layernorm_apply_fp8_with_transpose(ctx, saved.x, weight.value, bias.value, saved.mean, saved.rstd,
+                                                    scale);
+        return rmsnorm_apply_fp8_with_transpose(ctx, saved.x, weight.value, saved.rstd, scale);
+      });
 }
 
 void Norm::parameters(ParameterList& out) {

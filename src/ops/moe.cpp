@@ -384,6 +384,8 @@ void grouped_linear_forward(Context& ctx, const Tensor& x, const Tensor& w, cons
   check_splits(splits, w.size(0), x.size(0), op);
   check_on_device(ctx, op, {&x, &w, &y});
 #if TESSERA_WITH_CUDA
+  // tessera's own persistent wgmma grouped GEMM (one launch for all experts) when selected
+  // and the shapes qualify; rows past the splits are zeroed below as on the loop path.
   if (ctx.device.is_cuda() && cuda::grouped_gemm_backend() == cuda::GroupedGemmBackend::Own &&
       cuda::grouped_gemm_wgmma_supported(x, w, y)) {
     cuda::grouped_gemm_wgmma_forward(ctx.stream, x, w, splits, y);
@@ -408,6 +410,13 @@ void grouped_linear_backward_input(Context& ctx, const Tensor& dy, const Tensor&
                 "], got ", dx.describe());
   check_splits(splits, w.size(0), dy.size(0), op);
   check_on_device(ctx, op, {&dy, &w, &dx});
+#if TESSERA_WITH_CUDA
+  // The own kernel's dgrad (w read N-major) under the same switch as the forward.
+  if (ctx.device.is_cuda() && cuda::grouped_gemm_backend() == cuda::GroupedGemmBackend::Own &&
+      cuda::grouped_gemm_wgmma_backward_input_supported(dy, w, dx)) {
+    cuda::grouped_gemm_wgmma_backward_input(ctx.stream, dy, w, splits, dx);
+  } else
+#endif
   for_each_expert(ctx, splits, [&](Context& c, size_t e, int64_t row) {
     Tensor dxe = dx.slice(0, row, row + splits[e]);
     gemm(c, dy.slice(0, row, row + splits[e]), w.select(0, static_cast<int64_t>(e)), dxe);
@@ -436,6 +445,7 @@ void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor
 
 MoEFp8Options MoEFp8Options::from_recipe(const fp8::Recipe& recipe) {
   MoEFp8Options o;
+  o.keep_weight_transpose = recipe.keep_weight_transpose;
   if (const auto* c = std::get_if<fp8::CurrentScalingConfig>(&recipe.config)) {
     o.format = c->format;
     o.margin = c->margin;
@@ -580,13 +590,15 @@ MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std:
   check_splits(splits, w.size(0), std::numeric_limits<int64_t>::max(), op);
   MoEFp8Weights q;
   q.experts.resize(splits.size());
+  q.scales.resize(splits.size());
   const DType fp8 = o.forward_dtype();
   for (size_t e = 0; e < splits.size(); ++e) {
     if (splits[e] == 0) continue;
     const Tensor we = w.select(0, static_cast<int64_t>(e));
     Tensor a = Tensor::empty({1}, DType::F32, ctx.device);
     amax(ctx, we, a);
-    q.experts[e] = fp8::quantize_with_transpose(ctx, we, current_scale(ctx, a, fp8, o), fp8);
+    q.scales[e] = current_scale(ctx, a, fp8, o);
+    q.experts[e] = fp8::quantize_with_transpose(ctx, we, q.scales[e], fp8);
   }
   return q;
 }

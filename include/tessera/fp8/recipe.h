@@ -70,6 +70,12 @@ struct Recipe {
   // `lm_head` (any recipe; default false): the LM head's GEMMs in FP8 too, per-tensor scaled
   // whatever the recipe (TransformerLM::use_fp8_lm_head; docs/fp8.md, "FP8 LM head").
   bool lm_head = false;
+  // `keep_weight_transpose` (any recipe; default false): keep each FP8 linear layer's
+  // transposed weight codes from its forward until its backward, as before this option
+  // existed. Off, the forward keeps only the weight's scale and backward_input re-casts W^T
+  // from the (unchanged) BF16 weight with that scale: the same bits, out x in bytes per layer
+  // less held at the peak, one more cast pass per weight (docs/fp8.md, "Memory").
+  bool keep_weight_transpose = false;
 
   std::string name() const;  // "delayed", "current", "block" or "mxfp8"
   // `where` names the section in error messages, e.g. "fp8" gives "fp8.margin".

@@ -49,10 +49,34 @@ class Fp8Scaling {
   // The FP8 dtype of tensor `slot` (the recipe's format: E5M2 for kGradOutput under hybrid).
   DType dtype(Slot slot) const;
 
+  // fp8.keep_weight_transpose (recipe.h): whether the linear layers keep W^T's codes from
+  // forward to backward (true) or re-cast them in backward from the BF16 weight with the
+  // forward's scale (false, the default: the same bits, less memory held). Settable for tests.
+  bool keep_weight_transpose() const { return keep_weight_transpose_; }
+  void set_keep_weight_transpose(bool keep) { keep_weight_transpose_ = keep; }
+
   // Per-tensor recipes: x cast to FP8 with its transposed copy, scaled as the recipe says, for
   // tensor `slot` of linear `layer`. Under delayed scaling the amax lands in the state's
-  // pending slot. Throws for block and mxfp8 (quantize_block / quantize_mx).
-  fp8::QuantizedTensor quantize(Context& ctx, const Tensor& x, int64_t layer, Slot slot);
+  // pending slot. Throws for block and mxfp8 (quantize_block / quantize_mx). scale_out, when
+  // given, receives the scale the codes were cast with (F32 [1] on the device: delayed
+  // scaling's state slot, which only end_step changes, or current scaling's fresh scale), so
+  // that a later fp8::quantize_with_transpose of the same x with it gives the same codes.
+  fp8::QuantizedTensor quantize(Context& ctx, const Tensor& x, int64_t layer, Slot slot, Tensor* scale_out = nullptr);
+
+  // The one place that says how a per-tensor recipe casts tensor `slot` of `layer`, for every
+  // cast (quantize, a norm's FP8 output, the fused SwiGLU casts):
+  //  - delayed scaling: at once with the state's scale, recording the amax in its pending
+  //    slot: cast(scale, &pending_amax);
+  //  - current scaling: the amax first, amax(amax_out) (a pass over the values to be cast,
+  //    filling the F32 [1] amax_out), then cast(scale_made_from_it, nullptr).
+  // cast(const Tensor& scale, Tensor* amax_or_null) returns what cast_with returns.
+  template <typename Amax, typename Cast>
+  auto cast_with(Context& ctx, int64_t layer, Slot slot, Amax&& amax, Cast&& cast) {
+    CastTarget target = cast_target(ctx, layer, slot);
+    if (scale_known_before_cast()) return cast(target.scale, &target.amax);
+    amax(target.amax);
+    return cast(current_scale(ctx, target.amax, slot), static_cast<Tensor*>(nullptr));
+  }
   // "block": x cast in both orientations with the slot's blocks (kWeight: 128x128 tiles; kInput,
   // kGradOutput: 1x128 blocks, the column-wise copy quantized separately from x^T).
   fp8::BlockQuantizedTensor quantize_block(Context& ctx, const Tensor& x, int64_t layer, Slot slot) const;
@@ -90,6 +114,7 @@ class Fp8Scaling {
   std::optional<fp8::DeviceDelayedScaling> delayed_;
   float margin_ = 0;
   bool power_of_two_ = false;
+  bool keep_weight_transpose_ = false;
 };
 
 // The FP8 setting of one linear layer: the shared state and the layer's index in it.

@@ -3,7 +3,8 @@
 // With an FP8 binding (use_fp8) and BF16 tensors whose sizes the FP8 GEMMs take (rows, in
 // and out multiples of 16, for every recipe), the three GEMMs run in FP8: x and W cast as the
 // recipe says for the forward, the output gradient cast in backward_input; the casts are kept
-// in Saved so each is made once. Otherwise, or without a binding, the layer runs in its own
+// in Saved so each is made once (except W^T, which backward_input casts again unless the
+// binding keeps it: Fp8Scaling::keep_weight_transpose). Otherwise, or without a binding, the layer runs in its own
 // dtype. Per recipe (Fp8Scaling::kind):
 //  - per-tensor (current, delayed): QuantizedTensor casts, fp8_gemm;
 //  - block: y = x W^T with x in 1x128 blocks along in and W in 128x128 tiles; dx = dy W with
@@ -26,7 +27,12 @@ class Linear {
     bool fp8 = false;
     // After forward only the transposed copies (data_t) are kept: the backward GEMMs read
     // nothing else, and the row-wise copies would double the FP8 path's saved bytes.
+    // Unless the binding keeps the weight's transpose (Fp8Scaling::keep_weight_transpose),
+    // w_fp8 keeps nothing (nor w_block / w_mx): backward_input re-casts W^T from the BF16
+    // weight, per-tensor recipes with w_scale, the scale the forward cast W with (F32 [1]),
+    // the block and mxfp8 casts from the weight alone; the same codes either way.
     fp8::QuantizedTensor x_fp8, w_fp8;
+    Tensor w_scale;
     // Cast by backward_input, read by backward_weight (as the layers' d_qkv / d_h_pre are);
     // backward_input drops its row-wise copy after the dx GEMM.
     mutable fp8::QuantizedTensor dy_fp8;
@@ -52,8 +58,9 @@ class Linear {
   // The per-tensor FP8 backward from an output gradient already cast for this layer (tensor
   // kGradOutput of its binding, with its transposed copy: e.g. by the SwiGLU backward with
   // an FP8 output, MLP), kept as saved.dy_fp8 for backward_weight (whose dy argument is then
-  // not read). Needs a forward that ran in per-tensor FP8, and no bias (its gradient sums
-  // dy in BF16: such layers cast dy themselves).
+  // not read). Needs a forward that ran in per-tensor FP8. A layer with a bias also needs
+  // dy in BF16 for the bias gradient (backward_weight's dy): callers with only the FP8 dy
+  // must not use it for such layers (MLP casts d_h_pre itself only without fc bias).
   Tensor backward_input(Context& ctx, const fp8::QuantizedTensor& dy, const Saved& saved) const;
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);
@@ -73,6 +80,11 @@ class Linear {
  private:
   Tensor forward_block(Context& ctx, const Tensor& x, Saved& saved) const;
   Tensor forward_mx(Context& ctx, const Tensor& x, Saved& saved) const;
+  // W^T's codes for dx = dy W: the kept copy, or the re-cast (see Saved).
+  fp8::QuantizedTensor weight_t(Context& ctx, const Saved& saved) const;
+  fp8::BlockQuantizedTensor weight_t_block(Context& ctx, const Saved& saved) const;
+  fp8::MxQuantizedTensor weight_t_mx(Context& ctx, const Saved& saved) const;
+  bool keep_weight_transpose() const { return fp8_.scaling && fp8_.scaling->keep_weight_transpose(); }
 
   int64_t in_, out_;
   Fp8Binding fp8_;

@@ -155,6 +155,9 @@ struct MoEFp8Options {
   fp8::Format format = fp8::Format::Hybrid;  // E4M3 for x, W, h; E5M2 for gradients under Hybrid
   float margin = 0;
   bool power_of_two_scales = false;
+  // fp8.keep_weight_transpose (fp8/recipe.h): keep each expert's W^T codes from forward to
+  // backward (nn::GroupedLinear); off, they are re-cast in backward with the kept scales.
+  bool keep_weight_transpose = false;
   // From a recipe: "current" as given; other recipes fall back to current scaling with
   // their format (and margin), since per-expert delayed or block scales are not wired.
   static MoEFp8Options from_recipe(const fp8::Recipe& recipe);
@@ -177,9 +180,12 @@ struct MoEFp8Rows {
 };
 
 // Each expert's weight [N, K] cast with its own scale (experts without rows are skipped:
-// their entry stays empty). experts[e].data [N, K], data_t [K, N], scale_inv [1].
+// their entry stays empty). experts[e].data [N, K], data_t [K, N], scale_inv [1]; scales[e]
+// the F32 [1] scale it was cast with (fp8::quantize_with_transpose of the same weight with it
+// gives the same codes: how nn::GroupedLinear re-casts W^T in backward).
 struct MoEFp8Weights {
   std::vector<fp8::QuantizedTensor> experts;
+  std::vector<Tensor> scales;
 };
 
 // Current scaling of x [M, K] (F32 or BF16): amax, scale, then the cast with the padded
