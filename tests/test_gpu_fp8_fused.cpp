@@ -175,6 +175,31 @@ TEST(GpuCastTranspose, QuantizeWithTransposeMatchesTheCpu) {
   }
 }
 
+// The transposed copy alone (what a backward re-casting a weight uses): the same codes and
+// scale_inv as quantize_with_transpose's, on the vector path and the scalar one, F32 and BF16.
+TEST(GpuCastTranspose, QuantizeTransposedMatchesTheCpu) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  uint64_t seed = 300;
+  for (const Shape& shape : std::vector<Shape>{{256, 512}, {64, 2048}, {48, 80}, {7, 9}, {0, 16}}) {
+    for (const DType in : {DType::F32, DType::BF16}) {
+      for (const DType out : {DType::E4M3, DType::E5M2}) {
+        SCOPED_TRACE(shape_to_string(shape) + " " + dtype_name(in) + " -> " + dtype_name(out));
+        const Tensor x = cast_input(shape, in, seed++, true);
+        const Tensor scale = Tensor::from_floats({fp8_max(out) / 1.5f}, {1});
+        const fp8::QuantizedTensor want = fp8::quantize_with_transpose(cpu, x, scale, out);
+        const fp8::QuantizedTensor got = fp8::quantize_transposed(gpu, x.to(kCuda), scale.to(kCuda), out);
+        EXPECT_FALSE(got.data.defined()) << "no row-wise copy";
+        expect_codes(got.data_t, want.data_t, 0, "data_t");
+        EXPECT_EQ(bytes_of(got.scale_inv), bytes_of(want.scale_inv));
+        const fp8::QuantizedTensor on_cpu = fp8::quantize_transposed(cpu, x, scale, out);
+        EXPECT_FALSE(on_cpu.data.defined());
+        EXPECT_EQ(bytes_of(on_cpu.data_t), bytes_of(want.data_t));
+      }
+    }
+  }
+}
+
 // ---- Norm -> FP8 --------------------------------------------------------------------------
 
 namespace {

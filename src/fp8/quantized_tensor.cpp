@@ -86,6 +86,28 @@ QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Ten
   return q;
 }
 
+QuantizedTensor quantize_transposed(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8) {
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda() && x.defined() && x.dim() == 2 && x.is_contiguous() && scale.defined() &&
+      scale.dtype() == DType::F32 && scale.shape() == Shape{1} && scale.is_contiguous() &&
+      (fp8 == DType::E4M3 || fp8 == DType::E5M2) && cuda::cast_transpose_supported(x.dtype())) {
+    Tensor no_row_wise, no_amax;
+    check_on_device(ctx, "quantize_transposed", {&x, &scale});
+    QuantizedTensor q;
+    q.dtype = fp8;
+    q.data_t = Tensor::empty({x.size(1), x.size(0)}, fp8, ctx.device);
+    q.scale_inv = Tensor::empty({1}, DType::F32, ctx.device);
+    cuda::fp8_reciprocal_scale(ctx.stream, scale, q.scale_inv);
+    cuda::cast_transpose(ctx.stream, x, scale, no_row_wise, q.data_t, no_amax);
+    return q;
+  }
+#endif
+  // Everywhere else (and for the argument checks): both copies, then the row-wise one dropped.
+  QuantizedTensor q = quantize_with_transpose(ctx, x, scale, fp8);
+  q.data = Tensor();
+  return q;
+}
+
 QuantizedTensor quantized_from_codes(Context& ctx, const Tensor& data, const Tensor& scale) {
   const char* op = "quantized_from_codes";
   check_defined(data, op, "data");

@@ -132,11 +132,8 @@ fp8::QuantizedTensor Linear::weight_t(Context& ctx, const Saved& saved) const {
   // The weight is unchanged since the forward (the optimizer steps after the backward) and
   // so is w_scale (delayed scaling's state changes in end_step only; current scaling's is the
   // forward's own tensor): the cast gives the forward's codes and scale_inv, bit for bit. It
-  // writes no amax (the forward recorded the weight's). Its row-wise copy goes at once.
-  fp8::QuantizedTensor w =
-      fp8::quantize_with_transpose(ctx, weight.value, saved.w_scale, fp8_.scaling->dtype(Fp8Scaling::kWeight));
-  w.data = Tensor();
-  return w;
+  // writes no amax (the forward recorded the weight's), and no row-wise copy.
+  return fp8::quantize_transposed(ctx, weight.value, saved.w_scale, fp8_.scaling->dtype(Fp8Scaling::kWeight));
 }
 
 fp8::BlockQuantizedTensor Linear::weight_t_block(Context& ctx, const Saved& saved) const {

@@ -68,13 +68,12 @@ Tensor GroupedLinear::backward_input_fp8(Context& ctx, const Tensor& dy, Fp8Save
   Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
   if (!saved.w.scales.empty()) {
     // W^T of each expert with rows, cast again with its forward scale (the weight is
-    // unchanged since the forward): the forward's codes, the row-wise copy dropped at once.
+    // unchanged since the forward): the forward's codes, without the row-wise copy.
     const Tensor w3 = weight3d();
     for (size_t e = 0; e < saved.w.experts.size(); ++e) {
       if (saved.w.experts[e].data_t.defined() || !saved.w.scales[e].defined()) continue;
-      saved.w.experts[e] = fp8::quantize_with_transpose(ctx, w3.select(0, static_cast<int64_t>(e)), saved.w.scales[e],
-                                                        fp8_->forward_dtype());
-      saved.w.experts[e].data = Tensor();
+      saved.w.experts[e] = fp8::quantize_transposed(ctx, w3.select(0, static_cast<int64_t>(e)), saved.w.scales[e],
+                                                    fp8_->forward_dtype());
     }
   }
   grouped_linear_backward_input_fp8(ctx, saved.dy, saved.w, dx);

@@ -43,6 +43,12 @@ struct QuantizedTensor {
 QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
                                         Tensor* amax_out = nullptr);
 
+// The transposed copy alone (data undefined): data_t and scale_inv exactly as
+// quantize_with_transpose writes them, no amax. For a backward that casts a weight again
+// (nn::Linear under fp8.keep_weight_transpose = false): on CUDA the kernel then skips the
+// row-wise stores, 3 bytes per BF16 element instead of 4.
+QuantizedTensor quantize_transposed(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8);
+
 // The QuantizedTensor of codes already cast with `scale` (e.g. by a norm with an FP8 output,
 // ops/norm.h): data is kept (contiguous 2-D E4M3 or E5M2), data_t is its transpose_2d, and
 // scale_inv = 1.0f / scale[0] exactly as quantize_with_transpose computes it (checked on the

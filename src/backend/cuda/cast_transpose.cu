@@ -108,9 +108,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         }
         uint32_t words[WPV];
         fp8cvt::quantize_words<kE4M3, VEC>(f, s, words);
-        uint8_t* dst = q + r * cols + c;
-        if constexpr (WPV == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
-        else *reinterpret_cast<uint32_t*>(dst) = words[0];
+        if (q != nullptr) {  // null: the transposed copy alone (quantize_transposed)
+          uint8_t* dst = q + r * cols + c;
+          if constexpr (WPV == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+          else *reinterpret_cast<uint32_t*>(dst) = words[0];
+        }
 #pragma unroll
         for (int w = 0; w < WPV; ++w) tile[row][code_tile::swizzle(row, vec * WPV + w)] = words[w];
       }
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(kThreads)
       const float f = load_scalar(x + r * cols + c);
       if constexpr (kAmax) m = max(m, abs_bits(f));
       const uint8_t code = fp8cvt::encode_scaled<kE4M3>(f, s);
-      q[r * cols + c] = code;
+      if (q != nullptr) q[r * cols + c] = code;
       tile[ty + i][tx] = code;
     }
     __syncthreads();
@@ -184,23 +186,24 @@ void cast_transpose(void* stream, const Tensor& x, const Tensor& scale, Tensor& 
   if (fused_amax) TESSERA_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(uint32_t), s));
   if (rows > 0 && cols > 0) {
     const int64_t wave = int64_t(multiprocessor_count(x.device().index)) * kBlocksPerSm;
-    const bool e4m3 = q.dtype() == DType::E4M3;
+    const bool e4m3 = q_t.dtype() == DType::E4M3;
     auto run = [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       constexpr int64_t kVec = 16 / sizeof(T);
+      uint8_t* q_ptr = q.defined() ? q.data<uint8_t>() : nullptr;
       const bool vector = cols % kVec == 0 && rows % 8 == 0 && aligned(x.raw_data(), 16) &&
-                          aligned(q.raw_data(), kVec) && aligned(q_t.raw_data(), 8);
+                          aligned(q_ptr, kVec) && aligned(q_t.raw_data(), 8);
       dispatch_flags(e4m3, fused_amax, [&](auto e4m3_tag, auto amax_tag) {
         constexpr bool kE4M3 = decltype(e4m3_tag)::value, kAmax = decltype(amax_tag)::value;
         if (vector) {
           const int64_t across = ceil_div(cols, kTileCols), tiles = ceil_div(rows, kTileRows) * across;
           cast_transpose_kernel<T, kE4M3, kAmax><<<unsigned(std::min(tiles, wave)), kThreads, 0, s>>>(
-              x.data<T>(), scale.data<float>(), q.data<uint8_t>(), q_t.data<uint8_t>(), amax_bits, rows, cols, across,
+              x.data<T>(), scale.data<float>(), q_ptr, q_t.data<uint8_t>(), amax_bits, rows, cols, across,
               tiles);
         } else {
           const int64_t across = ceil_div(cols, kScalarTile), tiles = ceil_div(rows, kScalarTile) * across;
           cast_transpose_scalar_kernel<T, kE4M3, kAmax><<<unsigned(std::min(tiles, wave)), dim3(32, 8), 0, s>>>(
-              x.data<T>(), scale.data<float>(), q.data<uint8_t>(), q_t.data<uint8_t>(), amax_bits, rows, cols, across,
+              x.data<T>(), scale.data<float>(), q_ptr, q_t.data<uint8_t>(), amax_bits, rows, cols, across,
               tiles);
         }
       });

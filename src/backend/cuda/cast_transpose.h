@@ -13,7 +13,7 @@ namespace tessera::cuda {
 bool cast_transpose_supported(DType x);
 
 // x [M, K] contiguous; scale F32 [1]; q [M, K] and q_t [K, M] contiguous, both E4M3 or both
-// E5M2; amax_out F32 [1] or undefined. All on the device of `stream`; arguments checked by
+// E5M2 (q may be undefined: then only q_t is written); amax_out F32 [1] or undefined. All on the device of `stream`; arguments checked by
 // the caller. amax_out is overwritten (it may be the scale tensor itself: then the amax is
 // taken in a pass of its own after the cast, which read the old scale).
 void cast_transpose(void* stream, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax_out);
