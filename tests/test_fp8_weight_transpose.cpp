@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "fp8_weight_transpose_testing.h"
+#include "model_testing.h"
 #include "testing.h"
 #include "tessera/core/philox.h"
 #include "tessera/models/fp8_model.h"
@@ -120,15 +121,11 @@ TEST(Fp8WeightTranspose, ModelStepsAreBitIdentical) {
           scaling->end_step(ctx);
         }
         losses.push_back(step_losses);
-        std::vector<Tensor> final_state;
-        for (nn::Parameter* p : model.parameters())
-          for (const Tensor* t : {&p->value, &p->master, &p->grad}) final_state.push_back(*t);
+        std::vector<Tensor> final_state = parameter_state(model);
         for (const auto& [name, t] : scaling->state_dict()) final_state.push_back(t);
         finals.push_back(final_state);
       }
-      EXPECT_EQ(losses[0], losses[1]);
-      ASSERT_EQ(finals[0].size(), finals[1].size());
-      for (size_t i = 0; i < finals[0].size(); ++i) EXPECT_TRUE(same_bits(finals[0][i], finals[1][i])) << "tensor " << i;
+      expect_identical_runs(losses, finals);
     }
   }
 }
@@ -175,18 +172,7 @@ TEST(Fp8WeightTranspose, ForwardKeepsLessByTheWeightTransposes) {
 // A tiny Mixtral (FP8 attention linears and experts), three steps: the same bits.
 TEST(Fp8WeightTranspose, MixtralExpertsAreBitIdentical) {
   Context ctx = Context::cpu();
-  models::ModelConfig c;
-  c.architecture = "mixtral";
-  c.vocab_size = 16;
-  c.hidden_size = 32;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.intermediate_size = 48;
-  c.max_seq_len = 16;
-  c.tie_embeddings = false;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
+  const models::ModelConfig c = tiny_mixtral_config();
   for (const char* recipe : {"current", "delayed"}) {
     SCOPED_TRACE(recipe);
     std::vector<std::vector<double>> losses;
@@ -210,14 +196,9 @@ TEST(Fp8WeightTranspose, MixtralExpertsAreBitIdentical) {
         scaling->end_step(ctx);
       }
       losses.push_back(step_losses);
-      std::vector<Tensor> final_state;
-      for (nn::Parameter* p : model.parameters())
-        for (const Tensor* t : {&p->value, &p->master, &p->grad}) final_state.push_back(*t);
-      finals.push_back(final_state);
+      finals.push_back(parameter_state(model));
     }
-    EXPECT_EQ(losses[0], losses[1]);
-    ASSERT_EQ(finals[0].size(), finals[1].size());
-    for (size_t i = 0; i < finals[0].size(); ++i) EXPECT_TRUE(same_bits(finals[0][i], finals[1][i])) << "tensor " << i;
+    expect_identical_runs(losses, finals);
   }
 }
 

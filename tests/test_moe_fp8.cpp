@@ -12,6 +12,7 @@
 #include "tessera/ops/gemm.h"
 #include "tessera/ops/moe.h"
 #include "tessera/ops/quantize.h"
+#include "model_testing.h"
 #include "testing.h"
 
 using namespace tessera;
@@ -324,18 +325,7 @@ TEST(MoeFp8, RecomputingTheActivationIsBitIdentical) {
 
 TEST(MoeFp8, TinyMixtralTrainsInFp8) {
   Context ctx = Context::cpu();
-  models::ModelConfig c;
-  c.architecture = "mixtral";
-  c.vocab_size = 16;
-  c.hidden_size = 32;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.intermediate_size = 48;
-  c.max_seq_len = 16;
-  c.tie_embeddings = false;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
+  const models::ModelConfig c = tiny_mixtral_config();
   models::TransformerLM model(c, DType::BF16);
   model.init(ctx, 3);
   fp8::Recipe recipe;
