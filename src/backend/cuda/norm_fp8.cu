@@ -103,17 +103,9 @@ __global__ void __launch_bounds__(kApplyThreads)
     const float mu = kLayer ? mean[row] : 0.0f, r = rstd[row];
     for (int64_t j = threadIdx.x; j < vectors; j += blockDim.x) {
       const int64_t c = j * VEC;
-      float v[VEC], g[VEC], b[VEC], out[VEC];
+      float v[VEC], out[VEC];
       load_vec<T, VEC>(x + row * cols + c, v);
-      load_param<VEC>(gamma, c, g);
-      if (kLayer && beta.ptr) load_param<VEC>(beta, c, b);
-      else
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k)
-        out[k] = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[k], mu), r), g[k]), b[k])
-                        : __fmul_rn(__fmul_rn(v[k], r), g[k]);
+      normalize_vec<VEC, kLayer>(v, mu, r, gamma, beta, c, out);
       sink.template store<VEC>(row * cols + c, out);
     }
   }
@@ -154,19 +146,11 @@ __global__ void __launch_bounds__(kApplyThreads, 2)
       const int64_t r = r0 + row, c = c0 + int64_t(vec) * kTrVec;
       if (r >= rows || c >= cols) continue;
       const float mu = kLayer ? mean[r] : 0.0f, rr = rstd[r];
-      float v[kTrVec], g[kTrVec], b[kTrVec], out[kTrVec];
+      float v[kTrVec], out[kTrVec];
       unpack_raw<uint16_t, kTrVec>(raw[k], v);
-      load_param<kTrVec>(gamma, c, g);
-      if (kLayer && beta.ptr) load_param<kTrVec>(beta, c, b);
-      else
+      normalize_vec<kTrVec, kLayer>(v, mu, rr, gamma, beta, c, out);
 #pragma unroll
-        for (int e = 0; e < kTrVec; ++e) b[e] = 0.0f;
-#pragma unroll
-      for (int e = 0; e < kTrVec; ++e) {
-        const float y = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[e], mu), rr), g[e]), b[e])
-                               : __fmul_rn(__fmul_rn(v[e], rr), g[e]);
-        out[e] = round_to_storage<uint16_t>(y);
-      }
+      for (int e = 0; e < kTrVec; ++e) out[e] = round_to_storage<uint16_t>(out[e]);
       uint32_t words[2];
       fp8cvt::quantize_words<true, kTrVec>(out, s, words);
       *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(words[0], words[1]);

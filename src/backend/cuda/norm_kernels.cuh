@@ -188,6 +188,25 @@ __device__ __forceinline__ void load_param(const Param& p, int64_t i, float* v) 
   else load_vec<float, N>(static_cast<const float*>(p.ptr) + i, v);
 }
 
+// The normalized values of VEC columns from c: (x - mean) * rstd * gamma + beta for LayerNorm
+// (no beta: + 0), x * rstd * gamma for RMSNorm, with the reference's operations in its order,
+// each rounded (no fused multiply-add), so every kernel family gives the same y from the same
+// statistics.
+template <int VEC, bool kLayer>
+__device__ __forceinline__ void normalize_vec(const float* v, float mu, float rstd, const Param& gamma,
+                                              const Param& beta, int64_t c, float* out) {
+  float g[VEC], b[VEC];
+  load_param<VEC>(gamma, c, g);
+  if (kLayer && beta.ptr) load_param<VEC>(beta, c, b);
+  else
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k)
+    out[k] = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[k], mu), rstd), g[k]), b[k])
+                    : __fmul_rn(__fmul_rn(v[k], rstd), g[k]);
+}
+
 // v rounded to the storage type T and back: what a store to T followed by a load gives.
 template <typename T>
 __device__ __forceinline__ float round_to_storage(float v) {
@@ -367,16 +386,8 @@ __global__ void __launch_bounds__(kMaxGroupThreads)
     for (int j = 0; j < NV; ++j) {
       const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
       if (c >= cols) continue;
-      float g[VEC], b[VEC], out[VEC];
-      load_param<VEC>(gamma, c, g);
-      if (kLayer && beta.ptr) load_param<VEC>(beta, c, b);
-      else
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k)
-        out[k] = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[j][k], mu_t), rstd_t), g[k]), b[k])
-                        : __fmul_rn(__fmul_rn(v[j][k], rstd_t), g[k]);
+      float out[VEC];
+      normalize_vec<VEC, kLayer>(v[j], mu_t, rstd_t, gamma, beta, c, out);
       sink.template store<VEC>(base + c, out);
     }
   }

@@ -225,18 +225,9 @@ __global__ void __launch_bounds__(kWarpRowThreads)
     for (int j = 0; j < NV; ++j) {
       const int c = warp_row_col(j, VEC);
       if (c >= ncols) continue;
-      float v[VEC], g[VEC], b[VEC], out[VEC];
+      float v[VEC], out[VEC];
       unpack16<T>(raw[j], v);
-      load_param<VEC>(gamma, c, g);
-      if (kLayer && beta.ptr) load_param<VEC>(beta, c, b);
-      else
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
-      // The reference's operations and order (y from the rounded statistics).
-#pragma unroll
-      for (int k = 0; k < VEC; ++k)
-        out[k] = kLayer ? __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[k], mu), r), g[k]), b[k])
-                        : __fmul_rn(__fmul_rn(v[k], r), g[k]);
+      normalize_vec<VEC, kLayer>(v, mu, r, gamma, beta, c, out);  // y from the rounded statistics
       sink.template store<VEC>(base + c, out);
     }
   }
