@@ -23,6 +23,9 @@
 // CPU reference over the whole tensor. NaN never passes.
 //
 // blockcast: the fused 1x128 FP8 cast with both copies against its two-pass path.
+// castbias: the FP8 cast + transpose with the bias gradient (one read of dy) against the cast
+// then bias_grad; gelufp8: GELU -> FP8 forward and backward (+ dbias) against gelu in BF16
+// then the cast; both checked against their unfused pair in the same run.
 //
 // Usage: bench_bandwidth [runs] [filter] [--sweep-norm]
 //   filter: run only ops whose name contains it (for profiling one kernel with ncu, runs = 1);
@@ -51,6 +54,8 @@
 #include "tessera/core/allocator.h"
 #include "tessera/core/random.h"
 #include "tessera/fp8/block_quantized_tensor.h"
+#include "tessera/fp8/quantized_tensor.h"
+#include "tessera/ops/gemm.h"
 #include "tessera/ops/activation.h"
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/loss.h"
@@ -535,6 +540,70 @@ void run_shape(int64_t R, int64_t C) {
     const double bytes = A + 2 * N + 4 * 4.0 * (N / 128);
     table.add("blockcast 1x128 fused (both copies)", bytes, ms_f, c.text());
     table.add("blockcast 1x128 two-pass", bytes, ms_t, c.text());
+  }
+
+  // ---- FP8 cast + transpose with the bias gradient (a biased linear's dy; E5M2) ----
+  // fp8::quantize_with_transpose_and_bias_grad (one read of dy) against the cast then
+  // bias_grad (dy read twice): codes byte for byte, dbias (F32, accumulated) to 1e-6.
+  if (table.wanted("castbias")) {
+    Tensor sc = Tensor::from_floats({64.0f}, {1}).to(kGpu);
+    Tensor db_f = Tensor::zeros({C}, f32, kGpu), db_u = Tensor::zeros({C}, f32, kGpu);
+    auto fused = [&] { return fp8::quantize_with_transpose_and_bias_grad(gpu, dy, sc, DType::E5M2, db_f); };
+    auto unfused = [&] {
+      fp8::QuantizedTensor q = fp8::quantize_with_transpose(gpu, dy, sc, DType::E5M2);
+      bias_grad(gpu, dy, db_u);
+      return q;
+    };
+    const double ms_f = median_ms([&] { fused(); }, g_runs), ms_u = median_ms([&] { unfused(); }, g_runs);
+    db_f.fill_zero();
+    db_u.fill_zero();
+    const fp8::QuantizedTensor a = fused(), b = unfused();
+    Check c;
+    c.expect(byte_mismatch(a.data, b.data), 0, "data");
+    c.expect(byte_mismatch(a.data_t, b.data_t), 0, "data_t");
+    c.expect(rel_error(db_f, db_u), 1e-6, "dbias");
+    table.add("cast+transpose+dbias fused (E5M2)", A + 2 * N + 8.0 * C * std::ceil(double(R) / 64), ms_f, c.text());
+    table.add("cast+transpose, then bias_grad", 2 * A + 2 * N, ms_u, c.text());
+  }
+
+  // ---- GELU -> FP8 (GPT-2's MLP): the fused kernels against gelu in BF16 then the cast ----
+  // Delayed scaling's passes (the scale known); the backward with fc's bias gradient.
+  if (table.wanted("gelufp8")) {
+    Tensor sc = Tensor::from_floats({64.0f}, {1}).to(kGpu), h = Tensor::empty({R, C}, bf, kGpu);
+    Tensor dh = Tensor::empty({R, C}, bf, kGpu), am_f = Tensor::empty({1}, f32, kGpu), am_u = am_f.clone();
+    Tensor db_f = Tensor::zeros({C}, f32, kGpu), db_u = Tensor::zeros({C}, f32, kGpu);
+    auto fwd_f = [&] { return gelu_forward_fp8(gpu, x, sc, DType::E4M3, &am_f); };
+    auto fwd_u = [&] {
+      gelu_forward(gpu, x, h);
+      return fp8::quantize_with_transpose(gpu, h, sc, DType::E4M3, &am_u);
+    };
+    auto bwd_f = [&] { return gelu_backward_fp8(gpu, x, dy, sc, DType::E5M2, &am_f, &db_f); };
+    auto bwd_u = [&] {
+      gelu_backward(gpu, x, dy, dh);
+      return fp8::quantize_with_transpose_and_bias_grad(gpu, dh, sc, DType::E5M2, db_u, &am_u);
+    };
+    const double ms_ff = median_ms([&] { fwd_f(); }, g_runs), ms_fu = median_ms([&] { fwd_u(); }, g_runs);
+    const double ms_bf = median_ms([&] { bwd_f(); }, g_runs), ms_bu = median_ms([&] { bwd_u(); }, g_runs);
+    Check cf, cb;
+    {
+      const fp8::QuantizedTensor a = fwd_f(), b = fwd_u();
+      cf.expect(byte_mismatch(a.data, b.data), 0, "data");
+      cf.expect(byte_mismatch(a.data_t, b.data_t), 0, "data_t");
+      cf.expect(byte_mismatch(am_f, am_u), 0, "amax");
+    }
+    {
+      db_f.fill_zero();
+      db_u.fill_zero();
+      const fp8::QuantizedTensor a = bwd_f(), b = bwd_u();
+      cb.expect(byte_mismatch(a.data, b.data), 0, "data");
+      cb.expect(byte_mismatch(a.data_t, b.data_t), 0, "data_t");
+      cb.expect(byte_mismatch(am_f, am_u), 0, "amax");
+      cb.expect(byte_mismatch(db_f, db_u), 0, "dbias");
+    }
+    table.add("gelu_forward_fp8 fused (E4M3 +amax)", A + 2 * N, ms_ff, cf.text());
+    table.add("gelu_forward, then cast+transpose", 2 * A + A + 2 * N, ms_fu, cf.text());
+    table.add("gelu_backward_fp8 fused (E5M2 +amax +dbias)", 2 * A + 2 * N, ms_bf, cb.text());
+    table.add("gelu_backward, then cast+transpose+dbias", 3 * A + A + 2 * N, ms_bu, cb.text());
   }
   table.print();
 }

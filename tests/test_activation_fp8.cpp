@@ -18,6 +18,7 @@
 #include "tessera/nn/layernorm_mlp.h"
 #include "tessera/nn/mlp.h"
 #include "tessera/ops/activation.h"
+#include "tessera/ops/gemm.h"
 #include "tessera/ops/quantize.h"
 
 using namespace tessera;
@@ -156,6 +157,63 @@ TEST(SwigluFp8, BadArgumentsAreNamed) {
   EXPECT_THROW(swiglu_forward_amax(ctx, x, wrong), Error);
 }
 
+// GELU's fused forms: the unfused path's bytes (gelu_forward / gelu_backward in x's dtype,
+// then the cast, and for the backward with dbias the cast with the bias gradient).
+TEST(GeluFp8, ForwardAndBackwardEqualTheUnfusedPath) {
+  Context ctx = Context::cpu();
+  uint64_t seed = 300;
+  const std::vector<Case> cases{{16, 16}, {5, 3}, {1, 1}, {33, 24}, {0, 4}, {7, 0}};
+  for (const Case& c : cases) {
+    for (DType t : {DType::BF16, DType::F32}) {
+      for (DType fp8 : {DType::E4M3, DType::E5M2}) {
+        const std::string what =
+            std::to_string(c.rows) + "x" + std::to_string(c.f) + " " + dtype_name(t) + " " + dtype_name(fp8);
+        Tensor x = random_tensor({c.rows, c.f}, t, ++seed, -6, 6);
+        if (x.numel() > 2) x.set_item(x.numel() - 1, NAN);  // a NaN row end: NaN amax and codes
+        const Tensor dy = random_tensor({c.rows, c.f}, t, ++seed, -3, 3);
+        Tensor h = Tensor::empty({c.rows, c.f}, t), dx = Tensor::empty({c.rows, c.f}, t);
+        gelu_forward(ctx, x, h);
+        gelu_backward(ctx, x, dy, dx);
+        Tensor want_amax = scalar(-1), got_amax = scalar(-2);
+        expect_same_quantized(gelu_forward_fp8(ctx, x, scalar(32), fp8, &got_amax),
+                              fp8::quantize_with_transpose(ctx, h, scalar(32), fp8, &want_amax), what + " forward");
+        EXPECT_TRUE(same_bits(got_amax, want_amax)) << what << ": forward amax";
+        expect_same_quantized(gelu_backward_fp8(ctx, x, dy, scalar(16), fp8, &got_amax),
+                              fp8::quantize_with_transpose(ctx, dx, scalar(16), fp8, &want_amax), what + " backward");
+        EXPECT_TRUE(same_bits(got_amax, want_amax)) << what << ": backward amax";
+        const Tensor start = random_tensor({c.f}, DType::F32, ++seed, -2, 2);
+        Tensor db_got = start.clone(), db_want = start.clone();
+        expect_same_quantized(gelu_backward_fp8(ctx, x, dy, scalar(16), fp8, nullptr, &db_got),
+                              fp8::quantize_with_transpose(ctx, dx, scalar(16), fp8), what + " backward + dbias");
+        bias_grad(ctx, dx, db_want);
+        EXPECT_TRUE(same_bits(db_got, db_want)) << what << ": dbias";
+        Tensor only = scalar(-3), ref = scalar(-4);
+        gelu_forward_amax(ctx, x, only);
+        amax(ctx, h, ref);
+        EXPECT_TRUE(same_bits(only, ref)) << what << ": gelu_forward_amax";
+        gelu_backward_amax(ctx, x, dy, only);
+        amax(ctx, dx, ref);
+        EXPECT_TRUE(same_bits(only, ref)) << what << ": gelu_backward_amax";
+      }
+    }
+  }
+}
+
+TEST(GeluFp8, BadArgumentsAreNamed) {
+  Context ctx = Context::cpu();
+  const Tensor x = Tensor::zeros({4, 8}, DType::BF16), three_d = Tensor::zeros({2, 2, 8}, DType::BF16);
+  Tensor s = scalar(1);
+  EXPECT_THROW(gelu_forward_fp8(ctx, three_d, s, DType::E4M3), Error);
+  EXPECT_THROW(gelu_forward_fp8(ctx, x, s, DType::BF16), Error);
+  EXPECT_THROW(gelu_forward_fp8(ctx, x, s, DType::E4M3, &s), Error);  // amax_out aliasing the scale
+  EXPECT_THROW(gelu_backward_fp8(ctx, x, Tensor::zeros({4, 4}, DType::BF16), s, DType::E5M2), Error);  // dy shape
+  EXPECT_THROW(gelu_backward_fp8(ctx, x, Tensor::zeros({4, 8}, DType::F32), s, DType::E5M2), Error);   // dy dtype
+  Tensor bad_bias = Tensor::zeros({7}, DType::F32);
+  EXPECT_THROW(gelu_backward_fp8(ctx, x, x, s, DType::E5M2, nullptr, &bad_bias), Error);
+  Tensor wrong = Tensor::zeros({2}, DType::F32);
+  EXPECT_THROW(gelu_forward_amax(ctx, x, wrong), Error);
+}
+
 namespace {
 
 void randomize(nn::ParameterList& params, uint64_t seed) {
@@ -237,7 +295,10 @@ TEST(SwigluFp8, MlpFusedEqualsUnfusedBitForBit) {
                 ASSERT_TRUE(s.fc_in.fp8 && s.proj_in.fp8);
                 dx[k] = mlps[k]->backward_input(ctx, dy, s);
                 EXPECT_FALSE(s.h_pre.defined());
-                if (k == 0 && !gelu && !bias) EXPECT_FALSE(s.d_h_pre.defined()) << "d_h_pre kept in BF16";
+                // Fused (k == 0) or not, nothing reads d_h_pre after fc's backward_input in
+                // per-tensor FP8: fc's bias gradient came out of its cast.
+                EXPECT_FALSE(s.d_h_pre.defined()) << "d_h_pre kept in BF16";
+                if (bias) EXPECT_TRUE(s.fc_in.bias_grad_done);
                 mlps[k]->backward_weight(ctx, dy, s);
               }
             }

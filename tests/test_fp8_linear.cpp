@@ -12,6 +12,8 @@
 #include "tessera/models/fp8_model.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/nn/linear.h"
+#include "tessera/nn/mlp.h"
+#include "tessera/ops/gemm.h"
 #include "tessera/ops/quantize.h"
 #include "tessera/train/optimizer.h"
 
@@ -22,6 +24,13 @@ namespace {
 
 fp8::Recipe recipe_named(const std::string& name) {
   return fp8::Recipe::from_json({{"recipe", name}});
+}
+
+// The bytes of a CPU tensor, for bit-exact comparisons.
+std::vector<uint8_t> bytes_of(const Tensor& t) {
+  const Tensor c = t.contiguous();
+  const auto* p = static_cast<const uint8_t*>(c.raw_data());
+  return std::vector<uint8_t>(p, p + c.nbytes());
 }
 
 nn::Linear bf16_linear(int64_t in, int64_t out, bool bias, uint64_t seed) {
@@ -132,6 +141,56 @@ TEST(Fp8Linear, GradientsStayCloseToBf16) {
   }
 }
 
+// A biased per-tensor FP8 layer takes its bias gradient from dy's cast
+// (fp8::quantize_with_transpose_and_bias_grad, one read of dy on CUDA): accumulated into
+// bias.grad by backward_input, exactly bias_grad's sums, and not added again by
+// backward_weight. The fused function equals the cast and bias_grad, bit for bit.
+TEST(Fp8Linear, BiasGradientComesFromTheOutputGradientsCast) {
+  Context ctx = Context::cpu();
+  {
+    const Tensor x = random_tensor({48, 80}, DType::BF16, 30, -3, 3);
+    const Tensor scale = Tensor::from_floats({7.5f}, {1});
+    const Tensor start = random_tensor({80}, DType::F32, 31, -5, 5);
+    Tensor amax_want = Tensor::empty({1}, DType::F32), amax_got = Tensor::empty({1}, DType::F32);
+    Tensor db_want = start.clone(), db_got = start.clone();
+    const fp8::QuantizedTensor want = fp8::quantize_with_transpose(ctx, x, scale, DType::E5M2, &amax_want);
+    bias_grad(ctx, x, db_want);
+    const fp8::QuantizedTensor got =
+        fp8::quantize_with_transpose_and_bias_grad(ctx, x, scale, DType::E5M2, db_got, &amax_got);
+    EXPECT_EQ(bytes_of(got.data), bytes_of(want.data));
+    EXPECT_EQ(bytes_of(got.data_t), bytes_of(want.data_t));
+    EXPECT_EQ(bytes_of(got.scale_inv), bytes_of(want.scale_inv));
+    EXPECT_EQ(bytes_of(amax_got), bytes_of(amax_want));
+    EXPECT_EQ(bytes_of(db_got), bytes_of(db_want));
+    Tensor wrong = Tensor::zeros({79}, DType::F32);
+    EXPECT_THROW(fp8::quantize_with_transpose_and_bias_grad(ctx, x, scale, DType::E5M2, wrong), Error);
+  }
+  for (const char* recipe : {"current", "delayed"}) {
+    SCOPED_TRACE(recipe);
+    nn::Linear layer = bf16_linear(32, 48, true, 40);
+    auto scaling = std::make_shared<nn::Fp8Scaling>(ctx, recipe_named(recipe), 1);
+    layer.use_fp8({scaling, 0});
+    const Tensor start = random_tensor({48}, DType::F32, 41, -1, 1);
+    for (int step = 0; step < 2; ++step) {
+      const Tensor x = random_tensor({64, 32}, DType::BF16, 42 + step, -2, 2);
+      const Tensor dy = random_tensor({64, 48}, DType::BF16, 44 + step);
+      layer.bias.grad.copy_from(start);
+      Tensor want = start.clone();
+      bias_grad(ctx, dy, want);
+      nn::Linear::Saved saved;
+      layer.forward(ctx, x, saved);
+      EXPECT_FALSE(saved.bias_grad_done);
+      layer.backward_input(ctx, dy, saved);
+      EXPECT_TRUE(saved.bias_grad_done);
+      EXPECT_EQ(bytes_of(layer.bias.grad), bytes_of(want)) << "step " << step << ": summed by dy's cast";
+      layer.backward_weight(ctx, dy, saved);
+      EXPECT_FALSE(saved.bias_grad_done);
+      EXPECT_EQ(bytes_of(layer.bias.grad), bytes_of(want)) << "step " << step << ": not added twice";
+      scaling->end_step(ctx);
+    }
+  }
+}
+
 TEST(Fp8Linear, SizesTheFp8GemmsCannotTakeRunInBf16) {
   Context ctx = Context::cpu();
   nn::Linear layer = bf16_linear(24, 40, false, 20);  // 24 is no multiple of 16
@@ -213,4 +272,53 @@ TEST(Fp8Model, SmallModelsTrainLikeBf16) {
       EXPECT_LT(std::abs(final_loss[1] - final_loss[0]), 0.1 * final_loss[0] + 0.05) << arch << " " << recipe;
     }
   }
+}
+
+// A tiny GPT-2 (every linear with a bias, GELU MLPs) in FP8 with MLP's fused activation casts
+// on and off: the same losses and weights over three steps, bit for bit (the fused ops and
+// the bias gradients from the casts are the unfused path's bytes on the CPU).
+TEST(Fp8Model, Gpt2FusedActivationCastsMatchTheUnfusedPath) {
+  Context ctx = Context::cpu();
+  const bool before = nn::MLP::fused_fp8_activation();
+  models::ModelConfig c;
+  c.architecture = "gpt2";
+  c.vocab_size = 64;
+  c.hidden_size = 32;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.num_kv_heads = 2;
+  c.intermediate_size = 64;
+  c.max_seq_len = 16;
+  const int64_t batch = 2, seq = 16;
+  Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
+  for (int64_t i = 0; i < batch * seq; ++i) {
+    inputs.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % c.vocab_size);
+    targets.data<int32_t>()[i] = static_cast<int32_t>((3 * inputs.data<int32_t>()[i] + 1) % c.vocab_size);
+  }
+  for (const char* recipe : {"current", "delayed"}) {
+    SCOPED_TRACE(recipe);
+    std::vector<double> losses[2];
+    std::vector<std::vector<uint8_t>> weights[2];
+    for (int k = 0; k < 2; ++k) {
+      nn::MLP::set_fused_fp8_activation(k == 0);
+      models::TransformerLM model(c, DType::BF16);
+      model.init(ctx, 5);
+      auto scaling = models::enable_fp8(ctx, model, recipe_named(recipe));
+      train::OptimizerConfig oc;
+      oc.lr = 1e-2;
+      train::Optimizer optimizer(model.parameters(), oc);
+      for (int step = 0; step < 3; ++step) {
+        model.zero_grad();
+        losses[k].push_back(model.forward_backward(ctx, inputs, targets));
+        scaling->end_micro_batch(ctx);
+        optimizer.step(ctx, oc.lr);
+        scaling->end_step(ctx);
+      }
+      for (nn::Parameter* p : model.parameters()) weights[k].push_back(bytes_of(p->weights()));
+    }
+    EXPECT_EQ(losses[0], losses[1]);
+    ASSERT_EQ(weights[0].size(), weights[1].size());
+    for (size_t i = 0; i < weights[0].size(); ++i) EXPECT_EQ(weights[0][i], weights[1][i]) << "parameter " << i;
+  }
+  nn::MLP::set_fused_fp8_activation(before);
 }

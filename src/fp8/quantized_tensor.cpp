@@ -34,9 +34,31 @@ void check_quantized(const QuantizedTensor& q, const char* op, const char* name,
 
 }  // namespace
 
+namespace {
+
+// quantize_with_transpose, and when dbias is non-null the bias gradient of x into it: fused
+// into the cast kernel on CUDA (F32 / BF16 x, F32 dbias), else bias_grad after the cast.
+QuantizedTensor cast_with_transpose(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out,
+                                    Tensor* dbias, const char* op);
+
+}  // namespace
+
 QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
                                         Tensor* amax_out) {
-  const char* op = "quantize_with_transpose";
+  return cast_with_transpose(ctx, x, scale, fp8, amax_out, nullptr, "quantize_with_transpose");
+}
+
+QuantizedTensor quantize_with_transpose_and_bias_grad(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
+                                                      Tensor& dbias, Tensor* amax_out) {
+  const char* op = "quantize_with_transpose_and_bias_grad";
+  check_defined(dbias, op, "dbias");
+  return cast_with_transpose(ctx, x, scale, fp8, amax_out, &dbias, op);
+}
+
+namespace {
+
+QuantizedTensor cast_with_transpose(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out,
+                                    Tensor* dbias, const char* op) {
   check_defined(x, op, "x");
   TESSERA_CHECK(x.dim() == 2, op, ": x must be 2-D, got ", x.describe());
   TESSERA_CHECK(fp8 == DType::E4M3 || fp8 == DType::E5M2, op, ": fp8 must be E4M3 or E5M2, got ",
@@ -57,6 +79,9 @@ QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Ten
     q.scale_inv = Tensor::empty({1}, DType::F32, ctx.device);
     // Before the cast: amax_out may be the scale tensor itself, which the cast overwrites.
     cuda::fp8_reciprocal_scale(ctx.stream, scale, q.scale_inv);
+    // The column sums ride along where dbias is the FP32 master gradient (else bias_grad below).
+    const bool fused_bias = dbias != nullptr && dbias->dtype() == DType::F32 && dbias->is_contiguous() &&
+                            dbias->dim() == 1 && dbias->size(0) == x.size(1) && dbias->device() == ctx.device;
     if (x.is_contiguous() && scale.is_contiguous() && cuda::cast_transpose_supported(x.dtype())) {
       // Both copies from one read of x (backend/cuda/cast_transpose.cu), the same bytes.
       if (amax.defined()) {
@@ -64,10 +89,12 @@ QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Ten
         check_dtype(amax, DType::F32, op, "amax_out");
         check_shape(amax, {1}, op, "amax_out");
       }
-      cuda::cast_transpose(ctx.stream, x, scale, q.data, q.data_t, amax);
+      cuda::cast_transpose(ctx.stream, x, scale, q.data, q.data_t, amax, fused_bias ? dbias : nullptr);
+      if (dbias != nullptr && !fused_bias) bias_grad(ctx, x, *dbias);
     } else {
       quantize_per_tensor(ctx, x, scale, q.data, amax);
       transpose_2d(ctx, q.data, q.data_t);
+      if (dbias != nullptr) bias_grad(ctx, x, *dbias);
     }
     return q;
 #else
@@ -83,8 +110,11 @@ QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Ten
   quantize_per_tensor(ctx, x, scale, q.data, amax_out ? *amax_out : no_amax);
   transpose_2d(ctx, q.data, q.data_t);
   q.scale_inv = Tensor::from_floats({1.0f / s}, {1}).to(ctx.device);
+  if (dbias != nullptr) bias_grad(ctx, x, *dbias);
   return q;
 }
+
+}  // namespace
 
 QuantizedTensor quantize_transposed(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8) {
 #if TESSERA_WITH_CUDA

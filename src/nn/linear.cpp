@@ -2,6 +2,7 @@
 
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/gemm.h"
+#include "tessera/ops/quantize.h"
 
 namespace tessera::nn {
 
@@ -74,6 +75,7 @@ Tensor Linear::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved
   Tensor y = Tensor::empty({x.rows(), out_}, weight.value.dtype(), ctx.device);
   saved.fp8 = true;
   saved.kind = Fp8Scaling::Kind::PerTensor;
+  saved.bias_grad_done = false;
   saved.x = Tensor();
   saved.x_fp8 = x;
   saved.w_fp8 = fp8_.scaling->quantize(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight, &saved.w_scale);
@@ -166,7 +168,21 @@ Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved
     saved.dy_mx.data = saved.dy_mx.scales = Tensor();
     return dx;
   }
-  // Per-tensor: dy cast here (the bias gradient, if any, reads the BF16 dy in backward_weight).
+  // Per-tensor: dy cast here. With a bias its gradient comes out of the same cast (on CUDA
+  // one read of dy gives both FP8 copies and the column sums), not from a second read of the
+  // BF16 dy in backward_weight; the scaling is chosen as in Fp8Scaling::quantize.
+  if (saved.fp8 && bias.value.defined()) {
+    Tensor dbias = bias.grad;  // the same storage: the gradient accumulates into bias.grad
+    const DType fp8 = fp8_.scaling->dtype(Fp8Scaling::kGradOutput);
+    const fp8::QuantizedTensor dy_fp8 = fp8_.scaling->cast_with(
+        ctx, fp8_.layer, Fp8Scaling::kGradOutput, [&](Tensor& dy_amax) { amax(ctx, dy, dy_amax); },
+        [&](const Tensor& scale, Tensor* dy_amax) {
+          return fp8::quantize_with_transpose_and_bias_grad(ctx, dy, scale, fp8, dbias, dy_amax);
+        });
+    Tensor dx = backward_input(ctx, dy_fp8, saved);
+    saved.bias_grad_done = true;
+    return dx;
+  }
   if (saved.fp8) return backward_input(ctx, fp8_.scaling->quantize(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput), saved);
   Tensor dx = Tensor::empty({saved.x.size(0), in_}, weight.value.dtype(), ctx.device);
   gemm(ctx, dy, weight.value, dx);  // dx = dy W
@@ -209,7 +225,9 @@ void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved)
     fp8::Fp8GemmOptions options;
     options.beta = 1;  // dW += dy^T x, into the FP32 master gradient
     fp8::fp8_gemm(ctx, saved.dy_fp8, true, saved.x_fp8, false, weight.grad, options);
-    if (bias.value.defined()) bias_grad(ctx, dy, bias.grad);
+    // Unless dy's cast summed it already (backward_input(Tensor)): then dy is not read here.
+    if (bias.value.defined() && !saved.bias_grad_done) bias_grad(ctx, dy, bias.grad);
+    saved.bias_grad_done = false;
     saved.dy_fp8 = fp8::QuantizedTensor();
     return;
   }

@@ -43,6 +43,17 @@ struct QuantizedTensor {
 QuantizedTensor quantize_with_transpose(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
                                         Tensor* amax_out = nullptr);
 
+// quantize_with_transpose plus a linear layer's bias gradient from the same x (its output
+// gradient dy): dbias[c] += sum over the rows of x[:, c] (accumulates, as bias_grad does;
+// dbias [K] floating, on ctx.device). On the CPU, and on CUDA where the fused kernel does
+// not apply, it is quantize_with_transpose then bias_grad (the same bytes as calling the
+// two). On CUDA, for contiguous F32 / BF16 x and an F32 contiguous dbias (the FP32 master
+// gradient), the cast kernel also sums the columns (backend/cuda/cast_transpose.cu): no
+// second read of x; deterministic, equal to bias_grad's result up to the order of the
+// double additions (not bit for bit).
+QuantizedTensor quantize_with_transpose_and_bias_grad(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
+                                                      Tensor& dbias, Tensor* amax_out = nullptr);
+
 // The transposed copy alone (data undefined): data_t and scale_inv exactly as
 // quantize_with_transpose writes them, no amax. For a backward that casts a weight again
 // (nn::Linear under fp8.keep_weight_transpose = false): on CUDA the kernel then skips the

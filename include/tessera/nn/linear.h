@@ -36,6 +36,9 @@ class Linear {
     // Cast by backward_input, read by backward_weight (as the layers' d_qkv / d_h_pre are);
     // backward_input drops its row-wise copy after the dx GEMM.
     mutable fp8::QuantizedTensor dy_fp8;
+    // Per-tensor FP8 with a bias: backward_input(Tensor) added the bias gradient in dy's cast
+    // (fp8::quantize_with_transpose_and_bias_grad), so backward_weight does not sum dy again.
+    mutable bool bias_grad_done = false;
     // The same three casts under the block and mxfp8 recipes (fp8 is true for them too; kind
     // says which set is used), with the same copies kept and dropped.
     Fp8Scaling::Kind kind = Fp8Scaling::Kind::PerTensor;
@@ -59,8 +62,10 @@ class Linear {
   // kGradOutput of its binding, with its transposed copy: e.g. by the SwiGLU backward with
   // an FP8 output, MLP), kept as saved.dy_fp8 for backward_weight (whose dy argument is then
   // not read). Needs a forward that ran in per-tensor FP8. A layer with a bias also needs
-  // dy in BF16 for the bias gradient (backward_weight's dy): callers with only the FP8 dy
-  // must not use it for such layers (MLP casts d_h_pre itself only without fc bias).
+  // its bias gradient: from backward_weight's BF16 dy, unless the caller accumulated it into
+  // bias.grad itself and set saved.bias_grad_done (MLP's fused GELU backward does: its cast
+  // sums d_h_pre's columns; the fused SwiGLU backward runs only without fc bias). The
+  // backward_input(Tensor) above, with a bias, casts dy with its bias gradient in one pass.
   Tensor backward_input(Context& ctx, const fp8::QuantizedTensor& dy, const Saved& saved) const;
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);

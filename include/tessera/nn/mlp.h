@@ -14,8 +14,9 @@ class MLP {
     Linear::Saved fc_in, proj_in;
     Tensor h_pre;   // fc output, before the activation (released by backward_input)
     Tensor d_h_pre; // filled by backward_input, consumed by backward_weight (not kept when fc
-                    // runs in FP8 without a bias: its weight gradient reads fc_in.dy_fp8, which
-                    // the fused SwiGLU backward writes without d_h_pre ever existing in BF16)
+                    // runs in per-tensor FP8: its weight gradient reads fc_in.dy_fp8, which
+                    // the fused SwiGLU / GELU backward writes without d_h_pre ever existing in
+                    // BF16, and a bias gradient came out of that cast: fc_in.bias_grad_done)
   };
   MLP(const std::string& name, int64_t hidden, int64_t ffn, Activation activation, bool bias, DType dtype,
       const ParallelContext& parallel = {});
@@ -29,8 +30,9 @@ class MLP {
   void backward_weight(Context& ctx, const Tensor& dy, const Saved& saved);
   void parameters(ParameterList& out);
 
-  // SwiGLU in per-tensor FP8 (current or delayed scaling): the activation writes proj's FP8
-  // input, and its backward fc's FP8 output gradient (when fc has no bias), straight from
+  // SwiGLU and GELU in per-tensor FP8 (current or delayed scaling): the activation writes
+  // proj's FP8 input, and its backward fc's FP8 output gradient (SwiGLU: when fc has no bias;
+  // GELU: with fc's bias gradient from the same pass when it has one), straight from
   // one kernel each (ops/activation.h's swiglu_*_fp8; current scaling adds an amax pass over
   // the same values), instead of writing h / d_h_pre in BF16 for the layers to cast. The
   // bytes are the same either way; on by default, the switch is for tests and benchmarks.

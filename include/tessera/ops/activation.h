@@ -50,4 +50,23 @@ fp8::QuantizedTensor swiglu_backward_fp8(Context& ctx, const Tensor& x, const Te
 void swiglu_forward_amax(Context& ctx, const Tensor& x, Tensor& amax_out);
 void swiglu_backward_amax(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& amax_out);
 
+// ---- GELU fused with the FP8 cast of its output (the FP8 MLP of GPT-2) -------------------
+//
+// x is 2-D [rows, F] (dy the same shape and dtype). As the SwiGLU forms above: the bytes of
+// the unfused path (gelu_forward's y / gelu_backward's dx in x's dtype, as stored, then
+// fp8::quantize_with_transpose with `scale`), amax_out (F32 [1], non-null; not scale)
+// receiving max |activation|. gelu_backward_fp8's dbias (non-null: [F], floating) receives
+// fc's bias gradient, += the column sums of dx, as fp8::quantize_with_transpose_and_bias_grad
+// adds them (on CUDA with an F32 dbias in the same kernel, deterministic; bias_grad's result
+// up to the order of the double additions). On CUDA, BF16 x with F % 8 == 0 and rows % 8 == 0
+// runs one kernel that never writes the activation (backend/cuda/gelu_fp8.cu); anything
+// else, and the CPU, runs the unfused ops.
+fp8::QuantizedTensor gelu_forward_fp8(Context& ctx, const Tensor& x, const Tensor& scale, DType fp8,
+                                      Tensor* amax_out = nullptr);
+fp8::QuantizedTensor gelu_backward_fp8(Context& ctx, const Tensor& x, const Tensor& dy, const Tensor& scale,
+                                       DType fp8, Tensor* amax_out = nullptr, Tensor* dbias = nullptr);
+// amax_out (F32 [1]) = max |activation|, nothing else kept (current scaling's statistic).
+void gelu_forward_amax(Context& ctx, const Tensor& x, Tensor& amax_out);
+void gelu_backward_amax(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& amax_out);
+
 }  // namespace tessera

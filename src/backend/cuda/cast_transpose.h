@@ -16,6 +16,10 @@ bool cast_transpose_supported(DType x);
 // E5M2 (q may be undefined: then only q_t is written); amax_out F32 [1] or undefined. All on the device of `stream`; arguments checked by
 // the caller. amax_out is overwritten (it may be the scale tensor itself: then the amax is
 // taken in a pass of its own after the cast, which read the old scale).
-void cast_transpose(void* stream, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax_out);
+// dbias, when non-null and defined: F32 [K] contiguous on the same device; the same pass adds
+// the column sums of x into it (dbias[c] += sum_r x[r, c], a bias gradient: accumulates),
+// deterministically (per-tile partials added in a fixed order; nothing for M == 0).
+void cast_transpose(void* stream, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax_out,
+                    Tensor* dbias = nullptr);
 
 }  // namespace tessera::cuda

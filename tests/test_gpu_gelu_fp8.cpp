@@ -1,0 +1,335 @@
+// GELU fused with the FP8 cast of its output on CUDA (backend/cuda/gelu_fp8.cu):
+//  - the fused kernels against the unfused CUDA path (gelu_forward / gelu_backward in BF16,
+//    then quantize_with_transpose = cast_transpose, or amax), byte for byte: codes,
+//    transposed codes, scale_inv, amax; E4M3 and E5M2, tile-aligned and ragged shapes, NaN /
+//    Inf inputs, outputs poisoned first; shapes the kernels do not take (odd F, rows % 8 != 0,
+//    F32, misaligned) go through the op's unfused composition, same bytes; zero rows/columns;
+//  - the backward with fc's bias gradient (accumulated onto a non-zero F32 dbias) against the
+//    unfused cast with its bias gradient (cast_transpose's sums, the same tiles and order:
+//    bit for bit) and against the CPU's bias_grad (1e-6 relative), NaN in one column only;
+//  - against the CPU reference: codes agree or sit one step apart for at most 1%;
+//  - a GELU MLP (with and without bias) and a LayerNormMLP in FP8 (current and delayed, two
+//    steps) with MLP::set_fused_fp8_activation on and off: outputs, gradients and scaling
+//    state bit for bit; a tiny GPT-2 in FP8 trained three steps either way: the same losses
+//    and weights, bit for bit.
+// Skipped (saying so) where no GPU is present.
+#include <cmath>
+#include <string>
+
+#include "gpu_testing.h"
+#include "tessera/fp8/quantized_tensor.h"
+#include "tessera/models/fp8_model.h"
+#include "tessera/models/transformer_lm.h"
+#include "tessera/nn/layernorm_mlp.h"
+#include "tessera/nn/mlp.h"
+#include "tessera/ops/activation.h"
+#include "tessera/ops/gemm.h"
+#include "tessera/ops/quantize.h"
+#include "tessera/train/optimizer.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/gelu_fp8.h"
+#endif
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+Tensor host(const Tensor& t) { return t.to(Device::cpu()); }
+
+bool is_nan_code(uint8_t c, DType t) { return t == DType::E4M3 ? (c & 0x7f) == 0x7f : (c & 0x7f) > 0x7c; }
+int ordered(uint8_t c) { return (c & 0x80) ? -int(c & 0x7f) : int(c); }
+
+// Codes one step apart for at most max_off_fraction of the elements; NaN codes exactly where
+// the reference has them.
+void expect_close_codes(const Tensor& got_any, const Tensor& want_any, double max_off_fraction,
+                        const std::string& what) {
+  const Tensor got = host(got_any), want = host(want_any);
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const auto* g = static_cast<const uint8_t*>(got.raw_data());
+  const auto* w = static_cast<const uint8_t*>(want.raw_data());
+  int64_t off = 0, bad = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const bool gn = is_nan_code(g[i], got.dtype()), wn = is_nan_code(w[i], want.dtype());
+    if (gn || wn) {
+      if (gn != wn && bad++ < 5) ADD_FAILURE() << what << ": element " << i << " NaN on one side only";
+      continue;
+    }
+    if (g[i] == w[i]) continue;
+    ++off;
+    if (std::abs(ordered(g[i]) - ordered(w[i])) > 1 && bad++ < 5)
+      ADD_FAILURE() << what << ": element " << i << " code 0x" << std::hex << int(g[i]) << ", want 0x" << int(w[i]);
+  }
+  EXPECT_EQ(bad, 0) << what;
+  EXPECT_LE(double(off), max_off_fraction * double(got.numel()) + 1) << what << ": " << off << " codes one step off";
+}
+
+void expect_same_bytes(const Tensor& got, const Tensor& want, const std::string& what) {
+  EXPECT_EQ(bytes_of(got), bytes_of(want)) << what;
+}
+
+float item(const Tensor& t) { return host(t).data<float>()[0]; }
+
+Tensor gelu_input(int64_t rows, int64_t f, uint64_t seed, bool specials) {
+  Tensor x = random_tensor({rows, f}, DType::BF16, seed, -6.0f, 6.0f);
+  if (specials && x.numel() > 0) {
+    const float values[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1000.0f};
+    for (int k = 0; k < 6; ++k) x.set_item((int64_t(k) * 7919) % x.numel(), values[k]);
+  }
+  return x;
+}
+
+struct Case {
+  int64_t rows, f;
+};
+
+const std::vector<Case> kCases{{64, 128}, {128, 256}, {72, 200}, {8, 8}, {136, 1032}, {512, 3072},
+                               {5, 3},    {12, 16},   {16, 12},  {0, 16}, {16, 0}};
+
+}  // namespace
+
+TEST(GpuGeluFp8, KernelsEqualUnfusedCudaAndCpu) {
+  REQUIRE_GPU();
+#if TESSERA_WITH_CUDA
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  uint64_t seed = 1;
+  for (const Case& c : kCases) {
+    for (const bool backward : {false, true}) {
+      for (const DType fp8 : {DType::E4M3, DType::E5M2}) {
+        for (const bool with_amax : {true, false}) {
+          const bool specials = seed % 3 == 0;
+          const std::string what = std::to_string(c.rows) + "x" + std::to_string(c.f) +
+                                   (backward ? " backward " : " forward ") + dtype_name(fp8) +
+                                   (with_amax ? " amax" : "") + (specials ? " NaN/Inf" : "");
+          SCOPED_TRACE(what);
+          const Tensor x = gelu_input(c.rows, c.f, seed++, specials);
+          const Tensor dy = random_tensor({c.rows, c.f}, DType::BF16, seed++, -4.0f, 4.0f);
+          const Tensor scale = Tensor::from_floats({fp8 == DType::E4M3 ? 40.0f : 3000.0f}, {1});
+          const Tensor xg = x.to(kCuda), dyg = dy.to(kCuda), sg = scale.to(kCuda);
+
+          // Unfused on CUDA: the BF16 activation, then the cast the layer makes.
+          Tensor act = Tensor::empty({c.rows, c.f}, DType::BF16, kCuda);
+          if (backward) gelu_backward(gpu, xg, dyg, act);
+          else gelu_forward(gpu, xg, act);
+          Tensor amax_unfused = Tensor::empty({1}, DType::F32, kCuda);
+          const fp8::QuantizedTensor want = fp8::quantize_with_transpose(gpu, act, sg, fp8, &amax_unfused);
+
+          // The kernel itself, into poisoned outputs, where it applies.
+          Tensor q = poisoned_device({c.rows, c.f}, fp8), qt = poisoned_device({c.f, c.rows}, fp8);
+          Tensor kernel_amax = with_amax ? poisoned_device({1}, DType::F32) : Tensor();
+          if (cuda::gelu_cast_transpose_supported(xg, backward ? &dyg : nullptr, q, qt)) {
+            if (backward) cuda::gelu_backward_cast_transpose(gpu.stream, xg, dyg, sg, q, qt, kernel_amax, nullptr);
+            else cuda::gelu_forward_cast_transpose(gpu.stream, xg, sg, q, qt, kernel_amax);
+            expect_same_bytes(q, want.data, "kernel q");
+            expect_same_bytes(qt, want.data_t, "kernel q_t");
+            if (with_amax && c.rows * c.f > 0) expect_same_bytes(kernel_amax, amax_unfused, "kernel amax");
+          } else {
+            EXPECT_TRUE(c.f % 8 != 0 || c.rows % 8 != 0) << "a vector shape refused";
+          }
+
+          // The op (kernel or composition).
+          Tensor op_amax = poisoned_device({1}, DType::F32);
+          Tensor* amax_ptr = with_amax ? &op_amax : nullptr;
+          const fp8::QuantizedTensor got = backward ? gelu_backward_fp8(gpu, xg, dyg, sg, fp8, amax_ptr)
+                                                    : gelu_forward_fp8(gpu, xg, sg, fp8, amax_ptr);
+          expect_same_bytes(got.data, want.data, "op data");
+          expect_same_bytes(got.data_t, want.data_t, "op data_t");
+          expect_same_bytes(got.scale_inv, want.scale_inv, "op scale_inv");
+          if (with_amax) expect_same_bytes(op_amax, amax_unfused, "op amax");
+
+          Tensor only = poisoned_device({1}, DType::F32), ref = Tensor::empty({1}, DType::F32, kCuda);
+          if (backward) gelu_backward_amax(gpu, xg, dyg, only);
+          else gelu_forward_amax(gpu, xg, only);
+          amax(gpu, act, ref);
+          const float a = item(only), b = item(ref);
+          EXPECT_TRUE(std::isnan(a) ? std::isnan(b) : a == b) << "gelu amax " << a << " vs " << b;
+
+          // The CPU reference (tanh, exact exponential): one step at most, rarely.
+          const fp8::QuantizedTensor ref_cpu =
+              backward ? gelu_backward_fp8(cpu, x, dy, scale, fp8) : gelu_forward_fp8(cpu, x, scale, fp8);
+          expect_close_codes(got.data, ref_cpu.data, 0.01, "data vs CPU");
+          expect_close_codes(got.data_t, ref_cpu.data_t, 0.01, "data_t vs CPU");
+        }
+      }
+    }
+  }
+#endif
+}
+
+// The backward with fc's bias gradient: the codes as without it, dbias accumulated exactly as
+// the unfused cast with its bias gradient accumulates it, and close to the CPU's bias_grad.
+TEST(GpuGeluFp8, BackwardBiasGradientEqualsTheUnfusedCast) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  uint64_t seed = 700;
+  for (const Case& c : kCases) {
+    for (const bool misaligned : {false, true}) {
+      const std::string what = std::to_string(c.rows) + "x" + std::to_string(c.f) + (misaligned ? " misaligned" : "");
+      SCOPED_TRACE(what);
+      const Tensor x = gelu_input(c.rows, c.f, seed++, false), dy = random_tensor({c.rows, c.f}, DType::BF16, seed++);
+      const Tensor scale = Tensor::from_floats({200.0f}, {1});
+      const Tensor start = random_tensor({c.f}, DType::F32, seed++, -5.0f, 5.0f);
+      const Tensor xg = to_device(x, misaligned), dyg = to_device(dy, misaligned), sg = scale.to(kCuda);
+      Tensor act = Tensor::empty({c.rows, c.f}, DType::BF16, kCuda);
+      gelu_backward(gpu, xg, dyg, act);
+      Tensor db_unfused = start.to(kCuda), db_fused = start.to(kCuda);
+      const fp8::QuantizedTensor want =
+          fp8::quantize_with_transpose_and_bias_grad(gpu, act, sg, DType::E5M2, db_unfused);
+      const fp8::QuantizedTensor got = gelu_backward_fp8(gpu, xg, dyg, sg, DType::E5M2, nullptr, &db_fused);
+      expect_same_bytes(got.data, want.data, "data");
+      expect_same_bytes(got.data_t, want.data_t, "data_t");
+      expect_same_bytes(db_fused, db_unfused, "dbias against the unfused cast's");
+      Tensor db_cpu = start.clone();
+      bias_grad(cpu, host(act), db_cpu);
+      EXPECT_LT(relative_error(host(db_fused), db_cpu), 1e-6) << "dbias against bias_grad";
+      if (c.rows == 0) expect_same_bytes(db_fused, start, "no rows: dbias untouched");
+    }
+  }
+  // NaN in one column stays there.
+  Tensor x = gelu_input(136, 64, 800, false);
+  x.set_item(135 * 64 + 5, NAN);
+  const Tensor dy = random_tensor({136, 64}, DType::BF16, 801);
+  Tensor db = Tensor::zeros({64}, DType::F32, kCuda);
+  gelu_backward_fp8(gpu, x.to(kCuda), dy.to(kCuda), Tensor::from_floats({1.0f}, {1}).to(kCuda), DType::E5M2, nullptr,
+                    &db);
+  const std::vector<float> sums = db.to_floats();
+  for (int c = 0; c < 64; ++c) EXPECT_EQ(std::isnan(sums[c]), c == 5) << c;
+}
+
+namespace {
+
+void randomize(nn::ParameterList& params, uint64_t seed) {
+  Context ctx = Context::cpu();
+  for (nn::Parameter* p : params) {
+    const bool norm = p->name.find("norm") != std::string::npos && p->name.find(".weight") != std::string::npos;
+    p->weights().copy_from(random_tensor(p->weights().shape(), p->weights().dtype(), seed++, norm ? 0.5f : -0.4f,
+                                         norm ? 1.5f : 0.4f));
+    p->refresh_value(ctx);
+    p->grad.copy_from(random_tensor(p->grad.shape(), p->grad.dtype(), seed++));
+  }
+}
+
+fp8::Recipe recipe_named(const std::string& name) { return fp8::Recipe::from_json({{"recipe", name}}); }
+
+struct FusedSwitch {
+  bool before = nn::MLP::fused_fp8_activation();
+  ~FusedSwitch() { nn::MLP::set_fused_fp8_activation(before); }
+};
+
+}  // namespace
+
+TEST(GpuGeluFp8, MlpFusedEqualsUnfusedBitForBit) {
+  REQUIRE_GPU();
+  Context gpu = Context::cuda();
+  FusedSwitch restore;
+  const int64_t rows = 128, hidden = 64, ffn = 256;
+  for (const char* recipe : {"current", "delayed"}) {
+    for (const bool bias : {false, true}) {
+      for (const bool with_norm : {false, true}) {
+        SCOPED_TRACE(std::string(recipe) + (bias ? " bias" : "") + (with_norm ? " LayerNormMLP" : " MLP"));
+        nn::Norm norm_a("norm", nn::NormKind::LayerNorm, hidden, 1e-5f, DType::BF16);
+        nn::Norm norm_b("norm", nn::NormKind::LayerNorm, hidden, 1e-5f, DType::BF16);
+        nn::MLP mlp_a("m", hidden, ffn, nn::Activation::GELU, bias, DType::BF16);
+        nn::MLP mlp_b("m", hidden, ffn, nn::Activation::GELU, bias, DType::BF16);
+        nn::LayerNormMLP ln_a(norm_a, mlp_a), ln_b(norm_b, mlp_b);
+        nn::ParameterList pa, pb;
+        ln_a.parameters(pa);
+        ln_b.parameters(pb);
+        randomize(pa, 1100);
+        randomize(pb, 1100);
+        for (nn::Parameter* p : pa) p->to(kCuda);
+        for (nn::Parameter* p : pb) p->to(kCuda);
+        auto sa = std::make_shared<nn::Fp8Scaling>(gpu, recipe_named(recipe), 2);
+        auto sb = std::make_shared<nn::Fp8Scaling>(gpu, recipe_named(recipe), 2);
+        mlp_a.fc.use_fp8({sa, 0});
+        mlp_a.proj.use_fp8({sa, 1});
+        mlp_b.fc.use_fp8({sb, 0});
+        mlp_b.proj.use_fp8({sb, 1});
+        for (int step = 0; step < 2; ++step) {
+          SCOPED_TRACE("step " + std::to_string(step));
+          const Tensor x = random_tensor({rows, hidden}, DType::BF16, 1110 + step, -2, 3).to(kCuda);
+          const Tensor dy = random_tensor({rows, hidden}, DType::BF16, 1120 + step).to(kCuda);
+          Tensor y[2], dx[2];
+          nn::LayerNormMLP* modules[2] = {&ln_a, &ln_b};
+          nn::MLP* mlps[2] = {&mlp_a, &mlp_b};
+          for (int k = 0; k < 2; ++k) {
+            nn::MLP::set_fused_fp8_activation(k == 0);
+            if (with_norm) {
+              nn::LayerNormMLP::Saved s;
+              y[k] = modules[k]->forward(gpu, x, s);
+              dx[k] = modules[k]->backward_input(gpu, dy, s);
+              modules[k]->backward_weight(gpu, dy, s);
+            } else {
+              nn::MLP::Saved s;
+              y[k] = mlps[k]->forward(gpu, x, s);
+              ASSERT_TRUE(s.fc_in.fp8 && s.proj_in.fp8);
+              dx[k] = mlps[k]->backward_input(gpu, dy, s);
+              EXPECT_FALSE(s.d_h_pre.defined());
+              mlps[k]->backward_weight(gpu, dy, s);
+            }
+          }
+          expect_same_bytes(y[0], y[1], "y");
+          expect_same_bytes(dx[0], dx[1], "dx");
+          for (size_t i = 0; i < pa.size(); ++i)
+            expect_same_bytes(pa[i]->grad, pb[i]->grad, "gradient of " + pa[i]->name);
+          for (const auto& s : {sa, sb}) {
+            s->end_micro_batch(gpu);
+            s->end_step(gpu);
+          }
+          for (const auto& [name, t] : sa->state_dict())
+            expect_same_bytes(t, sb->state_dict().at(name), "scaling state " + name);
+        }
+      }
+    }
+  }
+}
+
+// A tiny GPT-2 (biases, GELU) in FP8 on CUDA, with the fused activation casts on and off:
+// the same losses and weights after three optimizer steps, bit for bit.
+TEST(GpuGeluFp8, Gpt2FusedEqualsUnfusedBitForBit) {
+  REQUIRE_GPU();
+  FusedSwitch restore;
+  Context gpu = Context::cuda();
+  models::ModelConfig c;
+  c.architecture = "gpt2";
+  c.vocab_size = 64;
+  c.hidden_size = 64;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.num_kv_heads = 2;
+  c.intermediate_size = 256;
+  c.max_seq_len = 32;
+  const int64_t batch = 2, seq = 32;
+  Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
+  for (int64_t i = 0; i < batch * seq; ++i) {
+    inputs.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % c.vocab_size);
+    targets.data<int32_t>()[i] = static_cast<int32_t>((3 * inputs.data<int32_t>()[i] + 1) % c.vocab_size);
+  }
+  const Tensor in_gpu = inputs.to(kCuda), tg_gpu = targets.to(kCuda);
+  for (const char* recipe : {"current", "delayed"}) {
+    SCOPED_TRACE(recipe);
+    std::vector<double> losses[2];
+    std::vector<std::vector<uint8_t>> weights[2];
+    for (int k = 0; k < 2; ++k) {
+      nn::MLP::set_fused_fp8_activation(k == 0);
+      models::TransformerLM model(c, DType::BF16);
+      model.to(kCuda);
+      model.init(gpu, 5);
+      auto scaling = models::enable_fp8(gpu, model, recipe_named(recipe));
+      train::OptimizerConfig oc;
+      oc.lr = 1e-2;
+      train::Optimizer optimizer(model.parameters(), oc);
+      for (int step = 0; step < 3; ++step) {
+        model.zero_grad();
+        losses[k].push_back(model.forward_backward(gpu, in_gpu, tg_gpu));
+        scaling->end_micro_batch(gpu);
+        optimizer.step(gpu, oc.lr);
+        scaling->end_step(gpu);
+      }
+      for (nn::Parameter* p : model.parameters()) weights[k].push_back(bytes_of(p->weights()));
+    }
+    EXPECT_EQ(losses[0], losses[1]);
+    ASSERT_EQ(weights[0].size(), weights[1].size());
+    for (size_t i = 0; i < weights[0].size(); ++i) EXPECT_EQ(weights[0][i], weights[1][i]) << "parameter " << i;
+  }
+}
