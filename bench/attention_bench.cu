@@ -19,6 +19,10 @@
 // dv) against the generic CUDA path (FP32 arithmetic, no tensor cores) on batch 0 of the
 // same inputs.
 //
+// After each shape, every tile shape of the tensor-core forward (attention_forward_fast's
+// variants 0 .. cuda::kLastAttentionForwardVariant) is timed and checked the same way, with
+// the registers, spills, shared memory and resident blocks per SM of variants 3 and up.
+//
 // Usage: bench_attention [runs]     (needs a GPU)
 #include <cuda_runtime.h>
 
@@ -33,6 +37,7 @@
 #include "gpu_timing.h"
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_cudnn.h"
+#include "backend/cuda/attention_fwd_variants.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/random.h"
 #include "tessera/ops/attention.h"
@@ -167,18 +172,46 @@ void run(const Problem& pb, int runs) {
   if (arrow != std::string::npos) sum.choice = sum.choice.substr(arrow + 3);
   summaries.push_back(sum);
 
-  // The forward's tile shapes side by side (attention_fwd.cu), each checked the same way.
+  // The forward's tile shapes side by side (attention_fwd.cu, attention_fwd_variants.cu),
+  // each checked against the generic path in the same run (out and lse of batch 0, poisoned
+  // first so that a row a variant forgets to write shows).
   if (!fast) return;
-  const char* names[] = {"32 rows/warp, 4 warps, 64 keys", "16 rows/warp, 8 warps, 64 keys",
-                         "32 rows/warp, 4 warps, 32 keys"};
-  for (int variant = 0; variant < 3; ++variant) {
+  const char* names[] = {"default: MT=2 4 warps, 64 keys, 2 stages, Q in smem at D=128",
+                         "MT=1 8 warps, 64 keys, 2 stages, Q in regs",
+                         "MT=2 4 warps, 32 keys, 2 stages, Q in smem at D=128"};
+  std::printf("\nforward variants, %s (registers, spill bytes, blocks per SM: the compiled kernel; for variants\n"
+              "0-2 see attention_fwd.cu):\n\n", shape);
+  std::printf("| variant                                                           | regs | spill B | smem KiB "
+              "| blocks/SM | ms     | TFLOP/s | out err  | lse err  | check    |\n");
+  std::printf("|-------------------------------------------------------------------|------|---------|----------"
+              "|-----------|--------|---------|----------|----------|----------|\n");
+  for (int variant = 0; variant <= cuda::kLastAttentionForwardVariant; ++variant) {
+    cuda::attn::FwdVariantInfo info{};
+    std::string desc;
+    if (variant < 3) {
+      desc = names[variant];
+    } else {
+      cuda::attn::forward_variant_info(static_cast<int>(pb.D), variant, &info);
+      desc = info.shape;
+    }
+    CHECK_CUDA(cudaMemset(out.raw_data(), 0xff, out.nbytes()));
+    CHECK_CUDA(cudaMemset(lse.raw_data(), 0xff, lse.nbytes()));
     auto f = [&] { cuda::attention_forward_fast(ctx.stream, q, k, v, out, lse, pb.causal, scale, variant); };
-    const double ms = median_ms(f, runs);
     f();
     CHECK_CUDA(cudaDeviceSynchronize());
-    std::printf("    forward variant %d (%s): %.3f ms, %.1f TFLOP/s, out error %.2e, lse error %.2e\n", variant,
-                names[variant], ms, fwd_flop / ms * 1e-9, rel_error(batch0(out), r_out), rel_error(batch0(lse), r_lse));
+    const double e_out = rel_error(batch0(out), r_out), e_lse = rel_error(batch0(lse), r_lse);
+    const double ms = median_ms(f, runs);
+    const char* verdict = e_out < 1e-2 && e_lse < 1e-4 ? "ok" : "MISMATCH";
+    if (variant < 3)
+      std::printf("| %2d %-62s |    - |       - |        - |         - | %6.3f | %7.1f | %.2e | %.2e | %-8s |\n",
+                  variant, desc.c_str(), ms, fwd_flop / ms * 1e-9, e_out, e_lse, verdict);
+    else
+      std::printf("| %2d %-62s | %4d | %7d | %8.1f | %9d | %6.3f | %7.1f | %.2e | %.2e | %-8s |\n", variant,
+                  desc.c_str(), info.registers, info.local_bytes, info.smem_bytes / 1024.0, info.blocks_per_sm, ms,
+                  fwd_flop / ms * 1e-9, e_out, e_lse, verdict);
+    std::fflush(stdout);
   }
+  std::printf("\n");
 }
 
 }  // namespace

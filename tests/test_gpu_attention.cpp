@@ -6,7 +6,9 @@
 // write fails; dq, dk and dv must be overwritten. lse is compared too. Skipped (saying so)
 // where no GPU is present. The tensor-core backward runs in both of its variants:
 // deterministic (the default) and atomic (set_attention_deterministic(false): dQ summed
-// with FP32 atomics inside the dK/dV pass). The attention backend is forced to tessera here; cuDNN's path
+// with FP32 atomics inside the dK/dV pass). Every tile shape of the tensor-core forward
+// (attention_forward_fast's variants 1 .. kLastAttentionForwardVariant) is checked on each
+// tensor-core case as well. The attention backend is forced to tessera here; cuDNN's path
 // and the choice between the two are tested in tests/test_gpu_attention_cudnn.cpp.
 #include <cmath>
 #include <string>
@@ -55,6 +57,9 @@ const std::vector<Case> kFastCases = {
     {"negative_scale_S300", 1, 64, 300, 2, 1, 64, true, -0.5f},
     {"multi_block_T512", 1, 512, 512, 4, 2, 128, true},
     {"multi_block_T513_S1000", 1, 513, 1000, 2, 2, 64, true},
+    // Many key tiles per block (the 3-stage pipelines wrap around several times), D = 128.
+    {"long_gqa_T700_S1100", 1, 700, 1100, 4, 2, 128, true},
+    {"long_noncausal_T333_S901", 1, 333, 901, 2, 1, 128, false, -0.2f},
 };
 
 // The generic path: every other dtype and head dim.
@@ -111,7 +116,7 @@ void check_case(const Case& c, DType dtype, uint64_t seed) {
   // Every tile shape of the tensor-core forward, not only the default one.
   if (cuda::attention_fast_path(g_out, g_out, g_lse, {})) {
     const float scale = c.scale != 0 ? c.scale : 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-    for (int variant = 1; variant <= 2; ++variant) {
+    for (int variant = 1; variant <= cuda::kLastAttentionForwardVariant; ++variant) {
       Tensor v_out = poisoned_on_gpu(c.q_shape(), dtype), v_lse = poisoned_on_gpu(c.lse_shape(), c.lse_dtype);
       cuda::attention_forward_fast(gpu.stream, q.to(cuda), k.to(cuda), v.to(cuda), v_out, v_lse, c.causal, scale,
                                    variant);
@@ -264,6 +269,22 @@ TEST(GpuAttention, NanQueryRowStaysNan) {
     EXPECT_TRUE(std::isnan(l[0])) << dtype_name(t);
     for (size_t i = 64; i < o.size(); ++i) ASSERT_FALSE(std::isnan(o[i])) << dtype_name(t) << " element " << i;
     for (size_t i = 1; i < l.size(); ++i) ASSERT_FALSE(std::isnan(l[i])) << dtype_name(t) << " lse " << i;
+#if TESSERA_WITH_CUDA
+    // The same in every tile shape of the tensor-core forward (the online max ignores NaN;
+    // the row's exponentials and sum must not).
+    if (t != DType::BF16) continue;
+    for (int variant = 1; variant <= cuda::kLastAttentionForwardVariant; ++variant) {
+      Tensor v_out = poisoned_on_gpu(c.q_shape(), t), v_lse = poisoned_on_gpu(c.lse_shape(), DType::F32);
+      cuda::attention_forward_fast(gpu.stream, q.to(Device::cuda()), k.to(Device::cuda()), v.to(Device::cuda()),
+                                   v_out, v_lse, c.causal, 0.125f, variant);
+      const std::vector<double> vo = cpu(v_out).to_doubles(), vl = cpu(v_lse).to_doubles();
+      EXPECT_TRUE(std::isnan(vo[0])) << "variant " << variant;
+      EXPECT_TRUE(std::isnan(vl[0])) << "variant " << variant;
+      for (size_t i = 64; i < vo.size(); ++i)
+        ASSERT_FALSE(std::isnan(vo[i])) << "variant " << variant << " element " << i;
+      for (size_t i = 1; i < vl.size(); ++i) ASSERT_FALSE(std::isnan(vl[i])) << "variant " << variant << " lse " << i;
+    }
+#endif
   }
 }
 

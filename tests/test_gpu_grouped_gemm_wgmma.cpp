@@ -17,13 +17,18 @@
 #include <numeric>
 #include <sstream>
 
+#if TESSERA_WITH_CUDA
 #include "backend/cuda/grouped_gemm_wgmma.h"
+#endif
 #include "gpu_testing.h"
 #include "tessera/core/numeric.h"
 #include "tessera/ops/moe.h"
 
 using namespace tessera;
 using namespace tessera::testing;
+
+// Everything below calls the CUDA backend directly: a build without it has nothing to test.
+#if TESSERA_WITH_CUDA
 
 namespace {
 
@@ -417,3 +422,9 @@ TEST(GpuGroupedGemmWgmmaCluster, MixtralShapesMatchTheCublasLoop) {
     }
   }
 }
+
+#else
+
+TEST(GpuGroupedGemmWgmma, NeedsTheCudaBackend) { GTEST_SKIP() << "tessera was built without CUDA"; }
+
+#endif  // TESSERA_WITH_CUDA

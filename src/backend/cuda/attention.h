@@ -37,7 +37,12 @@ void attention_backward(void* stream, const Tensor& d_out, const Tensor& q, cons
 bool attention_fast_path(const Tensor& q, const Tensor& k, const Tensor& lse,
                          std::initializer_list<const Tensor*> others);
 
-// variant: the tile shape (0: the default), for benchmarks; see attention_fwd.cu.
+// variant: the tile shape (0: the default), for benchmarks. 0-2 are in attention_fwd.cu
+// (0: 4 warps x 32 rows, 64-key tiles; 1: 8 warps x 16 rows; 2: 32-key tiles); 3 to
+// kLastAttentionForwardVariant are experiments on the D = 128 register problem in
+// attention_fwd_variants.cu (fewer rows per warp, Q in registers, 3-stage pipelines, a
+// cheaper online softmax). Numbers past the last run the default.
+inline constexpr int kLastAttentionForwardVariant = 15;
 void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                             Tensor& lse, bool causal, float scale, int variant = 0);
 // deterministic: the dK/dV pass plus a separate dQ pass, bitwise repeatable (the default);

@@ -24,6 +24,14 @@
 // FlashAttention-2 backend 323, cuDNN 587); B=16 H=12 T=1024 D=64: 200 (FA2 148, cuDNN
 // 254). The D=128 default spills ~56 bytes (255 registers); wgmma is the next step.
 //
+// Variants 3-15 (attention_fwd_variants.cu; not yet measured) attack the D = 128 register
+// problem with one kernel template: MT = 1 with Q in registers (3-5, 10: 233/168 registers,
+// 0-24 bytes spilled, 2-3 blocks per SM), MT = 2 with 32-key tiles and a half, a quarter or
+// none of Q in registers (6, 7, 12, 8, 11), MT = 2 with 64-key tiles computed in 32-key
+// steps (13-15; 13: 254 registers, no spill), 3-stage K/V pipelines (5, 7, 8, 10, 12), and
+// variant 0's shape (9), all with a cheaper online softmax (one FFMA per score, O rescaled
+// only when a row max moved, P packed to BF16 at once). Registers: that file's note.
+//
 // Floor: 4 * B * Hq * T * S * D FLOPs (half of it causal) over the BF16 dense peak,
 // ~989 TFLOP/s on the H200 (mma.sync reaches roughly two thirds of that). Memory is
 // O(B * (T * Hq + S * Hkv) * D), far below the compute time.
@@ -34,6 +42,7 @@
 #include "attention.h"
 #include "attention_common.cuh"
 #include "attention_cudnn.h"
+#include "attention_fwd_variants.h"
 #include "cuda_check.h"
 
 namespace tessera::cuda {
@@ -53,17 +62,6 @@ struct FwdConfig {
   static constexpr bool kQInRegs = D * MT <= 128;
   static constexpr int kMinBlocks = MT == 2 ? 2 : (D == 64 ? 2 : 1);
   static constexpr int kSmem = kRows * D * 2 + 4 * Keys * D * 2;  // Q, K[2], V[2]
-};
-
-struct FwdParams {
-  const bf16_t* q;
-  const bf16_t* k;
-  const bf16_t* v;
-  bf16_t* out;
-  float* lse;
-  int T, S, Hq, Hkv, group;
-  float scale_log2;  // scale * log2(e): the scores live in the log2 domain
-  bool causal;
 };
 
 template <int D, int MT, int Warps, int kFwdKeys>
@@ -306,6 +304,7 @@ void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, cons
               scale * kLog2e,
               causal};
   auto s = static_cast<cudaStream_t>(stream);
+  if (variant > 2 && launch_forward_variant(s, p, static_cast<int>(D), variant, B * Hq, T)) return;
   switch (variant) {
     case 1:  // 16 rows per warp, 8 warps, 64-key tiles
       if (D == 64) launch_forward<64, 1, 8, 64>(s, p, B * Hq, T);
