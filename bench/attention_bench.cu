@@ -176,7 +176,7 @@ void run(const Problem& pb, int runs) {
   // each checked against the generic path in the same run (out and lse of batch 0, poisoned
   // first so that a row a variant forgets to write shows).
   if (!fast) return;
-  const char* names[] = {"default: MT=2 4 warps, 64 keys, 2 stages, Q in smem at D=128",
+  const char* names[] = {"MT=2 4 warps, 64 keys, 2 stages, Q in smem at D=128",
                          "MT=1 8 warps, 64 keys, 2 stages, Q in regs",
                          "MT=2 4 warps, 32 keys, 2 stages, Q in smem at D=128"};
   std::printf("\nforward variants, %s (registers, spill bytes, blocks per SM: the compiled kernel; for variants\n"
@@ -194,6 +194,7 @@ void run(const Problem& pb, int runs) {
       cuda::attn::forward_variant_info(static_cast<int>(pb.D), variant, &info);
       desc = info.shape;
     }
+    if (variant == cuda::kDefaultAttentionForwardVariant) desc += " (default)";
     CHECK_CUDA(cudaMemset(out.raw_data(), 0xff, out.nbytes()));
     CHECK_CUDA(cudaMemset(lse.raw_data(), 0xff, lse.nbytes()));
     auto f = [&] { cuda::attention_forward_fast(ctx.stream, q, k, v, out, lse, pb.causal, scale, variant); };

@@ -37,14 +37,19 @@ void attention_backward(void* stream, const Tensor& d_out, const Tensor& q, cons
 bool attention_fast_path(const Tensor& q, const Tensor& k, const Tensor& lse,
                          std::initializer_list<const Tensor*> others);
 
-// variant: the tile shape (0: the default), for benchmarks. 0-2 are in attention_fwd.cu
+// variant: the tile shape, for benchmarks. 0-2 are in attention_fwd.cu
 // (0: 4 warps x 32 rows, 64-key tiles; 1: 8 warps x 16 rows; 2: 32-key tiles); 3 to
 // kLastAttentionForwardVariant are experiments on the D = 128 register problem in
 // attention_fwd_variants.cu (fewer rows per warp, Q in registers, 3-stage pipelines, a
-// cheaper online softmax). Numbers past the last run the default.
+// cheaper online softmax). Numbers past the last run variant 0.
+// The default is variant 9 (variant 0's tiles with the cheaper softmax): measured on the H200
+// (2026-11-30, bench_attention 30) at B=4 H=32 T=4096 D=128 causal 311.7 TFLOP/s against
+// variant 0's 280.1, at D=64 214.9 against 200.1 (B=16 H=12 T=1024) and 261.1 against 240.0
+// (B=4 Hq=32 Hkv=8 T=2048); no other variant was faster at D=128 (variant 3: 302.2).
 inline constexpr int kLastAttentionForwardVariant = 15;
+inline constexpr int kDefaultAttentionForwardVariant = 9;
 void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                            Tensor& lse, bool causal, float scale, int variant = 0);
+                            Tensor& lse, bool causal, float scale, int variant = kDefaultAttentionForwardVariant);
 // deterministic: the dK/dV pass plus a separate dQ pass, bitwise repeatable (the default);
 // false: dQ accumulated inside the dK/dV pass with FP32 atomics into a scratch buffer and
 // converted at the end (FlashAttention-2's scheme: fewer products, faster, run-to-run
