@@ -23,6 +23,9 @@
 // layer on the same data ("ok" below 0.1).
 //
 // Usage: bench_moe [runs]     (needs a GPU)
+//        bench_moe profile    one balanced BF16 and one FP8 forward+backward between
+//                             cudaProfilerStart/Stop, for `ncu --profile-from-start off`
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -30,6 +33,7 @@
 #include <cstdlib>
 #include <exception>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "gpu_timing.h"
@@ -77,7 +81,8 @@ Tensor loop_forward(Context& ctx, const nn::GroupedMLP& mlp, const Tensor& x, co
   return y;
 }
 
-void run_case(const char* name, const std::vector<int64_t>& splits, int runs, int streams, bool fp8 = false) {
+void run_case(const char* name, const std::vector<int64_t>& splits, int runs, int streams, bool fp8 = false,
+              bool profile = false) {
   set_grouped_gemm_streams(streams);
   Context ctx = Context::cuda(0);
   const int64_t rows = kTokens * kTopK;
@@ -106,6 +111,23 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
     err = std::max(relative_error(y8, y), relative_error(dx8, dx16));
   }
 
+  if (profile) {
+    // Warm (plans, FP8 scales), then one step under the profiler: its kernels, one by one.
+    for (int i = 0; i < 2; ++i) {
+      (void)mlp.forward(ctx, x, scale, splits, saved);
+      (void)mlp.backward_input(ctx, dy, saved);
+      mlp.backward_weight(ctx, dy, saved);
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaProfilerStart());
+    (void)mlp.forward(ctx, x, scale, splits, saved);
+    (void)mlp.backward_input(ctx, dy, saved);
+    mlp.backward_weight(ctx, dy, saved);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaProfilerStop());
+    std::printf("profiled %s (error %.1e)\n", name, err);
+    return;
+  }
   const double fwd_ms = median_ms([&] { (void)mlp.forward(ctx, x, scale, splits, saved); }, runs, 3);
   const double all_ms = median_ms(
       [&] {
@@ -123,6 +145,12 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
 
 int main(int argc, char** argv) {
   try {
+    if (argc > 1 && std::string(argv[1]) == "profile") {
+      const std::vector<int64_t> balanced(kExperts, kTokens * kTopK / kExperts);
+      run_case("balanced", balanced, 0, 1, false, true);
+      run_case("bal fp8", balanced, 0, 1, true, true);
+      return 0;
+    }
     const int runs = argc > 1 ? std::max(5, std::atoi(argv[1])) : 20;
     cudaDeviceProp prop{};
     CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
