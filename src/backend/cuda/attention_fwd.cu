@@ -8,7 +8,7 @@
 // aligned. Query head h reads kv head h / (Hq / Hkv). Causal masking is bottom-right
 // aligned: query i sees keys j <= i + (S - T).
 //
-// One block owns 128 query rows of one (batch, head). By default it is 4 warps of 32 rows
+// One block owns 128 query rows of one (batch, head). Variant 0 is 4 warps of 32 rows
 // each (two 16-row mma slices per warp), 2 blocks per SM; variants with 8 warps of 16 rows,
 // or 32-key tiles, stay selectable for benchmarks (attention_forward_fast's `variant`).
 // The block walks the key/value tiles (64 keys), double-buffered in shared memory with
@@ -22,9 +22,11 @@
 // Measured on the H200 (bench/attention_bench.cu, causal, TFLOP/s counting causal as
 // half): B=4 H=32 T=4096 D=128: 280 (variant 1: 257, variant 2: 273; PyTorch's
 // FlashAttention-2 backend 323, cuDNN 587); B=16 H=12 T=1024 D=64: 200 (FA2 148, cuDNN
-// 254). The D=128 default spills ~56 bytes (255 registers); wgmma is the next step.
+// 254). The D=128 kernel spills ~56 bytes (255 registers); wgmma is the next step.
 //
-// Variants 3-15 (attention_fwd_variants.cu; not yet measured) attack the D = 128 register
+// The default is variant 9 of attention_fwd_variants.cu (variant 0's shape with the cheaper
+// softmax below): 311.7 TFLOP/s at B=4 H=32 T=4096 D=128, 214.9 at D=64 (2026-11-30).
+// Variants 3-15 (attention_fwd_variants.cu) attack the D = 128 register
 // problem with one kernel template: MT = 1 with Q in registers (3-5, 10: 233/168 registers,
 // 0-24 bytes spilled, 2-3 blocks per SM), MT = 2 with 32-key tiles and a half, a quarter or
 // none of Q in registers (6, 7, 12, 8, 11), MT = 2 with 64-key tiles computed in 32-key
