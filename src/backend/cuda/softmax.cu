@@ -27,7 +27,8 @@
 // thread) are held by 4 to 32 lanes of one warp (row_lse.cuh), several rows per warp when
 // narrow: every load issued first, a thread-local max and sum from the registers, one merged
 // shuffle butterfly for the row's (max, sum), no barrier; the output recomputes exp2 from the
-// packed row. Floor as above (16384 x 4096 BF16: 65 us). Speed: not yet measured.
+// packed row. Floor as above (16384 x 4096 BF16: 65 us). Measured (H200, 2026-11-30): 88.9% of
+// copy bandwidth at 16384 x 4096 (the row-group kernel: 70.2%), 84.3% at x 768.
 #include <cuda_runtime.h>
 
 #include <type_traits>
