@@ -16,6 +16,7 @@
 #include <cmath>
 #include <string>
 
+#include "fp8_activation_testing.h"
 #include "gpu_testing.h"
 #include "tessera/fp8/quantized_tensor.h"
 #include "tessera/models/fp8_model.h"
@@ -34,45 +35,6 @@ using namespace tessera;
 using namespace tessera::testing;
 
 namespace {
-
-Tensor host(const Tensor& t) { return t.to(Device::cpu()); }
-
-bool is_nan_code(uint8_t c, DType t) { return t == DType::E4M3 ? (c & 0x7f) == 0x7f : (c & 0x7f) > 0x7c; }
-int ordered(uint8_t c) { return (c & 0x80) ? -int(c & 0x7f) : int(c); }
-
-// Codes one step apart for at most max_off_fraction of the elements; NaN codes exactly where
-// the reference has them. Codes whose values (in the scaled domain) differ by at most
-// abs_tol_scaled count as equal: in GELU's tail (x < -4) the CUDA kernels' x * sigmoid(2u)
-// in FP32 is accurate to ~1e-6 absolute (times |dy| in the backward), the CPU's FP64-exact
-// formula to far less; at a scale of 3000 that is several E5M2 steps of codes near zero.
-void expect_close_codes(const Tensor& got_any, const Tensor& want_any, double max_off_fraction,
-                        const std::string& what, double abs_tol_scaled = 0.0) {
-  const Tensor got = host(got_any), want = host(want_any);
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  const auto* g = static_cast<const uint8_t*>(got.raw_data());
-  const auto* w = static_cast<const uint8_t*>(want.raw_data());
-  const std::vector<double> gv = got.to_doubles(), wv = want.to_doubles();
-  int64_t off = 0, bad = 0;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    const bool gn = is_nan_code(g[i], got.dtype()), wn = is_nan_code(w[i], want.dtype());
-    if (gn || wn) {
-      if (gn != wn && bad++ < 5) ADD_FAILURE() << what << ": element " << i << " NaN on one side only";
-      continue;
-    }
-    if (g[i] == w[i] || std::abs(gv[i] - wv[i]) <= abs_tol_scaled) continue;
-    ++off;
-    if (std::abs(ordered(g[i]) - ordered(w[i])) > 1 && bad++ < 5)
-      ADD_FAILURE() << what << ": element " << i << " code 0x" << std::hex << int(g[i]) << ", want 0x" << int(w[i]);
-  }
-  EXPECT_EQ(bad, 0) << what;
-  EXPECT_LE(double(off), max_off_fraction * double(got.numel()) + 1) << what << ": " << off << " codes one step off";
-}
-
-void expect_same_bytes(const Tensor& got, const Tensor& want, const std::string& what) {
-  EXPECT_EQ(bytes_of(got), bytes_of(want)) << what;
-}
-
-float item(const Tensor& t) { return host(t).data<float>()[0]; }
 
 Tensor gelu_input(int64_t rows, int64_t f, uint64_t seed, bool specials) {
   Tensor x = random_tensor({rows, f}, DType::BF16, seed, -6.0f, 6.0f);
@@ -203,99 +165,22 @@ TEST(GpuGeluFp8, BackwardBiasGradientEqualsTheUnfusedCast) {
   for (int c = 0; c < 64; ++c) EXPECT_EQ(std::isnan(sums[c]), c == 5) << c;
 }
 
-namespace {
-
-void randomize(nn::ParameterList& params, uint64_t seed) {
-  Context ctx = Context::cpu();
-  for (nn::Parameter* p : params) {
-    const bool norm = p->name.find("norm") != std::string::npos && p->name.find(".weight") != std::string::npos;
-    p->weights().copy_from(random_tensor(p->weights().shape(), p->weights().dtype(), seed++, norm ? 0.5f : -0.4f,
-                                         norm ? 1.5f : 0.4f));
-    p->refresh_value(ctx);
-    p->grad.copy_from(random_tensor(p->grad.shape(), p->grad.dtype(), seed++));
-  }
-}
-
-fp8::Recipe recipe_named(const std::string& name) { return fp8::Recipe::from_json({{"recipe", name}}); }
-
-struct FusedSwitch {
-  bool before = nn::MLP::fused_fp8_activation();
-  ~FusedSwitch() { nn::MLP::set_fused_fp8_activation(before); }
-};
-
-}  // namespace
-
 TEST(GpuGeluFp8, MlpFusedEqualsUnfusedBitForBit) {
   REQUIRE_GPU();
-  Context gpu = Context::cuda();
-  FusedSwitch restore;
-  const int64_t rows = 128, hidden = 64, ffn = 256;
-  for (const char* recipe : {"current", "delayed"}) {
-    for (const bool bias : {false, true}) {
+  for (const char* recipe : {"current", "delayed"})
+    for (const bool bias : {false, true})
       for (const bool with_norm : {false, true}) {
         SCOPED_TRACE(std::string(recipe) + (bias ? " bias" : "") + (with_norm ? " LayerNormMLP" : " MLP"));
-        nn::Norm norm_a("norm", nn::NormKind::LayerNorm, hidden, 1e-5f, DType::BF16);
-        nn::Norm norm_b("norm", nn::NormKind::LayerNorm, hidden, 1e-5f, DType::BF16);
-        nn::MLP mlp_a("m", hidden, ffn, nn::Activation::GELU, bias, DType::BF16);
-        nn::MLP mlp_b("m", hidden, ffn, nn::Activation::GELU, bias, DType::BF16);
-        nn::LayerNormMLP ln_a(norm_a, mlp_a), ln_b(norm_b, mlp_b);
-        nn::ParameterList pa, pb;
-        ln_a.parameters(pa);
-        ln_b.parameters(pb);
-        randomize(pa, 1100);
-        randomize(pb, 1100);
-        for (nn::Parameter* p : pa) p->to(kCuda);
-        for (nn::Parameter* p : pb) p->to(kCuda);
-        auto sa = std::make_shared<nn::Fp8Scaling>(gpu, recipe_named(recipe), 2);
-        auto sb = std::make_shared<nn::Fp8Scaling>(gpu, recipe_named(recipe), 2);
-        mlp_a.fc.use_fp8({sa, 0});
-        mlp_a.proj.use_fp8({sa, 1});
-        mlp_b.fc.use_fp8({sb, 0});
-        mlp_b.proj.use_fp8({sb, 1});
-        for (int step = 0; step < 2; ++step) {
-          SCOPED_TRACE("step " + std::to_string(step));
-          const Tensor x = random_tensor({rows, hidden}, DType::BF16, 1110 + step, -2, 3).to(kCuda);
-          const Tensor dy = random_tensor({rows, hidden}, DType::BF16, 1120 + step).to(kCuda);
-          Tensor y[2], dx[2];
-          nn::LayerNormMLP* modules[2] = {&ln_a, &ln_b};
-          nn::MLP* mlps[2] = {&mlp_a, &mlp_b};
-          for (int k = 0; k < 2; ++k) {
-            nn::MLP::set_fused_fp8_activation(k == 0);
-            if (with_norm) {
-              nn::LayerNormMLP::Saved s;
-              y[k] = modules[k]->forward(gpu, x, s);
-              dx[k] = modules[k]->backward_input(gpu, dy, s);
-              modules[k]->backward_weight(gpu, dy, s);
-            } else {
-              nn::MLP::Saved s;
-              y[k] = mlps[k]->forward(gpu, x, s);
-              ASSERT_TRUE(s.fc_in.fp8 && s.proj_in.fp8);
-              dx[k] = mlps[k]->backward_input(gpu, dy, s);
-              EXPECT_FALSE(s.d_h_pre.defined());
-              mlps[k]->backward_weight(gpu, dy, s);
-            }
-          }
-          expect_same_bytes(y[0], y[1], "y");
-          expect_same_bytes(dx[0], dx[1], "dx");
-          for (size_t i = 0; i < pa.size(); ++i)
-            expect_same_bytes(pa[i]->grad, pb[i]->grad, "gradient of " + pa[i]->name);
-          for (const auto& s : {sa, sb}) {
-            s->end_micro_batch(gpu);
-            s->end_step(gpu);
-          }
-          for (const auto& [name, t] : sa->state_dict())
-            expect_same_bytes(t, sb->state_dict().at(name), "scaling state " + name);
-        }
+        expect_fused_mlp_equals_unfused({nn::Activation::GELU, nn::NormKind::LayerNorm, bias, with_norm, recipe, 1100},
+                                        /*expect_no_d_h_pre=*/true);
       }
-    }
-  }
 }
 
 // A tiny GPT-2 (biases, GELU) in FP8 on CUDA, with the fused activation casts on and off:
 // the same losses and weights after three optimizer steps, bit for bit.
 TEST(GpuGeluFp8, Gpt2FusedEqualsUnfusedBitForBit) {
   REQUIRE_GPU();
-  FusedSwitch restore;
+  FusedFp8ActivationSwitch restore;
   Context gpu = Context::cuda();
   models::ModelConfig c;
   c.architecture = "gpt2";

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <string>
 
+#include "fp8_activation_testing.h"
 #include "gpu_testing.h"
 #include "tessera/fp8/quantized_tensor.h"
 #include "tessera/nn/layernorm_mlp.h"
@@ -29,42 +30,6 @@ using namespace tessera;
 using namespace tessera::testing;
 
 namespace {
-
-Tensor host(const Tensor& t) { return t.to(Device::cpu()); }
-
-bool is_nan_code(uint8_t c, DType t) { return t == DType::E4M3 ? (c & 0x7f) == 0x7f : (c & 0x7f) > 0x7c; }
-int ordered(uint8_t c) { return (c & 0x80) ? -int(c & 0x7f) : int(c); }
-
-// Codes equal (max_off_fraction = 0), or one step apart for at most that fraction; NaN codes
-// exactly where the reference has them.
-void expect_codes(const Tensor& got_any, const Tensor& want_any, double max_off_fraction, const std::string& what) {
-  const Tensor got = host(got_any), want = host(want_any);
-  ASSERT_EQ(got.dtype(), want.dtype()) << what;
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  const auto* g = static_cast<const uint8_t*>(got.raw_data());
-  const auto* w = static_cast<const uint8_t*>(want.raw_data());
-  int64_t off = 0, bad = 0;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    const bool gn = is_nan_code(g[i], got.dtype()), wn = is_nan_code(w[i], want.dtype());
-    if (gn || wn) {
-      if (gn != wn && bad++ < 5) ADD_FAILURE() << what << ": element " << i << " NaN on one side only";
-      continue;
-    }
-    if (g[i] == w[i]) continue;
-    ++off;
-    if ((max_off_fraction == 0 || std::abs(ordered(g[i]) - ordered(w[i])) > 1) && bad++ < 5)
-      ADD_FAILURE() << what << ": element " << i << " code 0x" << std::hex << int(g[i]) << ", want 0x" << int(w[i]);
-  }
-  EXPECT_EQ(bad, 0) << what;
-  const double allowed = max_off_fraction > 0 ? max_off_fraction * double(got.numel()) + 1 : 0;
-  EXPECT_LE(double(off), allowed) << what << ": " << off << " codes one step off";
-}
-
-void expect_same_bytes(const Tensor& got, const Tensor& want, const std::string& what) {
-  EXPECT_EQ(bytes_of(got), bytes_of(want)) << what;
-}
-
-float item(const Tensor& t) { return host(t).data<float>()[0]; }
 
 // x [rows, 2F] BF16 in [-6, 6] (E4M3 saturates at the scales used), NaN / Inf planted when
 // `specials`.
@@ -115,8 +80,8 @@ TEST(GpuSwigluFp8, ForwardKernelEqualsUnfusedCudaAndCpu) {
         Tensor kernel_amax = with_amax ? poisoned_device({1}, DType::F32) : Tensor();
         if (cuda::swiglu_cast_transpose_supported(xg, nullptr, q, qt)) {
           cuda::swiglu_forward_cast_transpose(gpu.stream, xg, sg, q, qt, kernel_amax);
-          expect_codes(q, want.data, 0, "kernel q");
-          expect_codes(qt, want.data_t, 0, "kernel q_t");
+          expect_close_codes(q, want.data, 0, "kernel q");
+          expect_close_codes(qt, want.data_t, 0, "kernel q_t");
           expect_same_bytes(q, want.data, "kernel q bytes");
           expect_same_bytes(qt, want.data_t, "kernel q_t bytes");
           if (with_amax) expect_same_bytes(kernel_amax, amax_unfused, "kernel amax");
@@ -141,8 +106,8 @@ TEST(GpuSwigluFp8, ForwardKernelEqualsUnfusedCudaAndCpu) {
         // The CPU reference (exact exponential): one step at most, rarely.
         Tensor amax_cpu = Tensor::empty({1}, DType::F32);
         const fp8::QuantizedTensor ref_cpu = swiglu_forward_fp8(cpu, x, scale, fp8, &amax_cpu);
-        expect_codes(got.data, ref_cpu.data, 0.01, "data vs CPU");
-        expect_codes(got.data_t, ref_cpu.data_t, 0.01, "data_t vs CPU");
+        expect_close_codes(got.data, ref_cpu.data, 0.01, "data vs CPU");
+        expect_close_codes(got.data_t, ref_cpu.data_t, 0.01, "data_t vs CPU");
         const float ac = item(amax_cpu);
         if (std::isnan(ac) || std::isinf(ac)) EXPECT_EQ(std::isnan(ac), std::isnan(a)) << "amax vs CPU";
         else EXPECT_NEAR(a, ac, 0.01 * ac + 1e-30) << "amax vs CPU";
@@ -178,8 +143,8 @@ TEST(GpuSwigluFp8, BackwardKernelEqualsUnfusedCudaAndCpu) {
         Tensor kernel_amax = with_amax ? poisoned_device({1}, DType::F32) : Tensor();
         if (cuda::swiglu_cast_transpose_supported(xg, &dyg, q, qt)) {
           cuda::swiglu_backward_cast_transpose(gpu.stream, xg, dyg, sg, q, qt, kernel_amax);
-          expect_codes(q, want.data, 0, "kernel q");
-          expect_codes(qt, want.data_t, 0, "kernel q_t");
+          expect_close_codes(q, want.data, 0, "kernel q");
+          expect_close_codes(qt, want.data_t, 0, "kernel q_t");
           expect_same_bytes(q, want.data, "kernel q bytes");
           expect_same_bytes(qt, want.data_t, "kernel q_t bytes");
           if (with_amax) expect_same_bytes(kernel_amax, amax_unfused, "kernel amax");
@@ -202,8 +167,8 @@ TEST(GpuSwigluFp8, BackwardKernelEqualsUnfusedCudaAndCpu) {
 
         Tensor amax_cpu = Tensor::empty({1}, DType::F32);
         const fp8::QuantizedTensor ref_cpu = swiglu_backward_fp8(cpu, x, dy, scale, fp8, &amax_cpu);
-        expect_codes(got.data, ref_cpu.data, 0.01, "data vs CPU");
-        expect_codes(got.data_t, ref_cpu.data_t, 0.01, "data_t vs CPU");
+        expect_close_codes(got.data, ref_cpu.data, 0.01, "data vs CPU");
+        expect_close_codes(got.data_t, ref_cpu.data_t, 0.01, "data_t vs CPU");
         const float ac = item(amax_cpu);
         if (std::isnan(ac) || std::isinf(ac)) EXPECT_EQ(std::isnan(ac), std::isnan(a)) << "amax vs CPU";
         else EXPECT_NEAR(a, ac, 0.01 * ac + 1e-30) << "amax vs CPU";
@@ -234,87 +199,12 @@ TEST(GpuSwigluFp8, F32AndMisalignedInputsTakeTheUnfusedComposition) {
   }
 }
 
-namespace {
-
-void randomize(nn::ParameterList& params, uint64_t seed) {
-  Context ctx = Context::cpu();
-  for (nn::Parameter* p : params) {
-    const bool norm = p->name.find("norm") != std::string::npos && p->name.find(".weight") != std::string::npos;
-    p->weights().copy_from(random_tensor(p->weights().shape(), p->weights().dtype(), seed++, norm ? 0.5f : -0.4f,
-                                         norm ? 1.5f : 0.4f));
-    p->refresh_value(ctx);
-    p->grad.copy_from(random_tensor(p->grad.shape(), p->grad.dtype(), seed++));
-  }
-}
-
-fp8::Recipe recipe_named(const std::string& name) { return fp8::Recipe::from_json({{"recipe", name}}); }
-
-struct FusedSwitch {
-  bool before = nn::MLP::fused_fp8_activation();
-  ~FusedSwitch() { nn::MLP::set_fused_fp8_activation(before); }
-};
-
-}  // namespace
-
 TEST(GpuSwigluFp8, MlpFusedEqualsUnfusedBitForBit) {
   REQUIRE_GPU();
-  Context gpu = Context::cuda();
-  FusedSwitch restore;
-  const int64_t rows = 128, hidden = 64, ffn = 256;
-  for (const char* recipe : {"current", "delayed"}) {
+  for (const char* recipe : {"current", "delayed"})
     for (const bool with_norm : {false, true}) {
       SCOPED_TRACE(std::string(recipe) + (with_norm ? " LayerNormMLP" : " MLP"));
-      // Two identical modules on the GPU (parameters made on the CPU, then moved).
-      nn::Norm norm_a("norm", nn::NormKind::RMSNorm, hidden, 1e-5f, DType::BF16);
-      nn::Norm norm_b("norm", nn::NormKind::RMSNorm, hidden, 1e-5f, DType::BF16);
-      nn::MLP mlp_a("m", hidden, ffn, nn::Activation::SwiGLU, false, DType::BF16);
-      nn::MLP mlp_b("m", hidden, ffn, nn::Activation::SwiGLU, false, DType::BF16);
-      nn::LayerNormMLP ln_a(norm_a, mlp_a), ln_b(norm_b, mlp_b);
-      nn::ParameterList pa, pb;
-      ln_a.parameters(pa);
-      ln_b.parameters(pb);
-      randomize(pa, 1000);
-      randomize(pb, 1000);
-      for (nn::Parameter* p : pa) p->to(kCuda);
-      for (nn::Parameter* p : pb) p->to(kCuda);
-      auto sa = std::make_shared<nn::Fp8Scaling>(gpu, recipe_named(recipe), 2);
-      auto sb = std::make_shared<nn::Fp8Scaling>(gpu, recipe_named(recipe), 2);
-      mlp_a.fc.use_fp8({sa, 0});
-      mlp_a.proj.use_fp8({sa, 1});
-      mlp_b.fc.use_fp8({sb, 0});
-      mlp_b.proj.use_fp8({sb, 1});
-      for (int step = 0; step < 2; ++step) {
-        SCOPED_TRACE("step " + std::to_string(step));
-        const Tensor x = random_tensor({rows, hidden}, DType::BF16, 1010 + step, -2, 3).to(kCuda);
-        const Tensor dy = random_tensor({rows, hidden}, DType::BF16, 1020 + step).to(kCuda);
-        Tensor y[2], dx[2];
-        nn::LayerNormMLP* modules[2] = {&ln_a, &ln_b};
-        nn::MLP* mlps[2] = {&mlp_a, &mlp_b};
-        for (int k = 0; k < 2; ++k) {
-          nn::MLP::set_fused_fp8_activation(k == 0);
-          if (with_norm) {
-            nn::LayerNormMLP::Saved s;
-            y[k] = modules[k]->forward(gpu, x, s);
-            dx[k] = modules[k]->backward_input(gpu, dy, s);
-            modules[k]->backward_weight(gpu, dy, s);
-          } else {
-            nn::MLP::Saved s;
-            y[k] = mlps[k]->forward(gpu, x, s);
-            ASSERT_TRUE(s.fc_in.fp8 && s.proj_in.fp8);
-            dx[k] = mlps[k]->backward_input(gpu, dy, s);
-            mlps[k]->backward_weight(gpu, dy, s);
-          }
-        }
-        expect_same_bytes(y[0], y[1], "y");
-        expect_same_bytes(dx[0], dx[1], "dx");
-        for (size_t i = 0; i < pa.size(); ++i) expect_same_bytes(pa[i]->grad, pb[i]->grad, "gradient of " + pa[i]->name);
-        for (const auto& s : {sa, sb}) {
-          s->end_micro_batch(gpu);
-          s->end_step(gpu);
-        }
-        for (const auto& [name, t] : sa->state_dict())
-          expect_same_bytes(t, sb->state_dict().at(name), "scaling state " + name);
-      }
+      expect_fused_mlp_equals_unfused({nn::Activation::SwiGLU, nn::NormKind::RMSNorm, false, with_norm, recipe, 1000},
+                                      /*expect_no_d_h_pre=*/false);
     }
-  }
 }
