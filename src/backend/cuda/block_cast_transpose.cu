@@ -40,6 +40,7 @@
 
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
+#include "vec_io.cuh"
 
 namespace tessera::cuda {
 
@@ -52,28 +53,6 @@ constexpr int kTile = 128;                  // a tile is one 1x128 block in each
 constexpr int kHalf = kTile / 2;            // rows per thread in the column pass
 constexpr int kCodeStride = kTile / 4 + 4;  // words per column of the transposed-code tile
 constexpr int kPieces = kTile / 16;         // 16-byte pieces per q_t row of a tile
-
-// A 16-byte word of x as floats (8 BF16 or 4 F32), element 0 first (little endian).
-template <typename T>
-__device__ __forceinline__ void unpack16(const uint4& raw, float* f) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  if constexpr (std::is_same_v<T, float>) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) f[k] = __uint_as_float(w[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      f[2 * k] = __uint_as_float(w[k] << 16);
-      f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return __uint_as_float(uint32_t(v) << 16);
-}
 
 template <typename T>
 constexpr size_t smem_bytes() {
@@ -116,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 2)
     const int64_t r = r0 + row;
     *reinterpret_cast<uint4*>(xs + row * kTile + chunk * VEC) = raw[p];
     float f[VEC];
-    unpack16<T>(raw[p], f);
+    vec::unpack16<T>(raw[p], f);
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) m = max(m, abs_bits(f[i]));
@@ -144,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 2)
   const T* xcol = xs + half * kHalf * kTile + col;
   uint32_t m = 0;
 #pragma unroll 16
-  for (int i = 0; i < kHalf; ++i) m = max(m, abs_bits(to_float(xcol[i * kTile])));
+  for (int i = 0; i < kHalf; ++i) m = max(m, abs_bits(vec::bits_to_float(xcol[i * kTile])));
   col_partial[half * kTile + col] = m;
   __syncthreads();
   m = max(col_partial[col], col_partial[kTile + col]);
@@ -153,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 2)
   for (int g = 0; g < kHalf / 16; ++g) {
     float f[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) f[i] = to_float(xcol[(g * 16 + i) * kTile]);
+    for (int i = 0; i < 16; ++i) f[i] = vec::bits_to_float(xcol[(g * 16 + i) * kTile]);
     uint32_t w[4];
     fp8cvt::quantize_words<kE4M3, 16>(f, s, w);
     *reinterpret_cast<uint4*>(codes_t + col * kCodeStride + half * (kHalf / 4) + g * 4) = make_uint4(w[0], w[1], w[2], w[3]);
@@ -186,11 +165,18 @@ void launch(cudaStream_t stream, const Tensor& x, Tensor& q, Tensor& scale_inv, 
   const int64_t across = (cols + kTile - 1) / kTile, tiles = (rows + kTile - 1) / kTile * across;
   constexpr size_t smem = smem_bytes<T>();
   auto kernel = block_cast_transpose_kernel<T, kE4M3>;
-  // Above the 48 KB default: opt in (a cheap host-side call, also legal during graph capture).
-  TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  // All shared memory, little L1: four BF16 blocks (two F32) per SM need 211 KB (170 KB); x is read once.
-  TESSERA_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  // Once per instantiation, not per launch (one process per device: the attributes of the
+  // current device; host-side calls, also legal when the first launch is inside a graph
+  // capture). A failure throws and leaves `configured` unset, so the next call retries.
+  static const bool configured = [kernel] {
+    // Above the 48 KB default: opt in.
+    TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    // All shared memory, little L1: four BF16 blocks (two F32) per SM need 211 KB (170 KB); x is read once.
+    TESSERA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    return true;
+  }();
+  (void)configured;
   kernel<<<unsigned(tiles), kThreads, smem, stream>>>(
       x.data<T>(), q.data<uint8_t>(), scale_inv.data<float>(), q_t.data<uint8_t>(), scale_inv_t.data<float>(),
       gemm_s.defined() ? gemm_s.data<float>() : nullptr, gemm_s_t.defined() ? gemm_s_t.data<float>() : nullptr,

@@ -43,6 +43,7 @@
 #include "cuda_backend.h"
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
+#include "vec_io.cuh"
 
 namespace tessera::cuda {
 
@@ -55,28 +56,6 @@ constexpr int kBlocksPerSm = 3;  // resident vector-kernel blocks per SM (about 
 constexpr int kTileRows = code_tile::kRows, kTileCols = code_tile::kCols, kTileWords = code_tile::kWords;
 static_assert(kThreads == code_tile::kThreads, "the transposed store maps 256 threads");
 constexpr int kScalarTile = 32;
-
-// A 16-byte word of x as floats: 8 BF16 or 4 F32 values.
-template <typename T>
-__device__ __forceinline__ void unpack16(const uint4& raw, float* f) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  if constexpr (std::is_same_v<T, float>) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) f[k] = __uint_as_float(w[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {  // little endian: element 2k is the low half
-      f[2 * k] = __uint_as_float(w[k] << 16);
-      f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float load_scalar(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return *p;
-  else return __uint_as_float(uint32_t(*p) << 16);
-}
 
 template <typename T, bool kE4M3, bool kAmax, bool kBias>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
@@ -117,7 +96,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         const int64_t r = r0 + row, c = c0 + int64_t(vec) * VEC;
         if (r >= rows || c >= cols) continue;
         float f[VEC];
-        unpack16<T>(raw[k], f);
+        vec::unpack16<T>(raw[k], f);
         if constexpr (kAmax) {
 #pragma unroll
           for (int i = 0; i < VEC; ++i) m = max(m, abs_bits(f[i]));
@@ -173,7 +152,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < kScalarTile; i += 8) {
       const int64_t r = r0 + ty + i, c = c0 + tx;
       if (r >= rows || c >= cols) continue;
-      const float f = load_scalar(x + r * cols + c);
+      const float f = vec::bits_to_float(x[r * cols + c]);
       if constexpr (kAmax) m = max(m, abs_bits(f));
       if constexpr (kBias) acc += f;
       const uint8_t code = fp8cvt::encode_scaled<kE4M3>(f, s);

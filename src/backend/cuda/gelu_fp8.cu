@@ -38,6 +38,7 @@
 #include "cuda_backend.h"
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
+#include "vec_io.cuh"
 #include "tessera/core/numeric.h"
 
 namespace tessera::cuda {
@@ -72,25 +73,16 @@ __device__ __forceinline__ float gelu_grad_fast(float x) {
   return s + 2.0f * x * h * kSqrt2OverPi * (1.0f + 3.0f * kCubic * x * x);
 }
 
-__device__ __forceinline__ float round_bf16(float v) { return bits_float(uint32_t(float_to_bf16_bits(v)) << 16); }
-
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[kVec]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    f[2 * k] = __uint_as_float(w[k] << 16);
-    f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-  }
-}
+using vec::round_bf16;
 
 // The activation's eight values as the unfused kernel stores them.
 template <bool kBackward>
 __device__ __forceinline__ void values8(const uint4& rx, const uint4& rd, float (&out)[kVec]) {
   float x[kVec];
-  unpack8(rx, x);
+  vec::unpack16<bf16>(rx, x);
   if constexpr (kBackward) {
     float d[kVec];
-    unpack8(rd, d);
+    vec::unpack16<bf16>(rd, d);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       float v = d[e] * gelu_grad_fast(x[e]);

@@ -46,6 +46,7 @@
 #include "cuda_backend.h"
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
+#include "vec_io.cuh"
 #include "tessera/core/numeric.h"
 
 namespace tessera::cuda {
@@ -66,16 +67,7 @@ constexpr int kUnits = kTileRows * kVecPerRow / kThreads;  // 4 vectors per thre
 // the same way so that the compiler forms the same operations.
 __device__ __forceinline__ float sigmoid_fast(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
 
-__device__ __forceinline__ float round_bf16(float v) { return bits_float(uint32_t(float_to_bf16_bits(v)) << 16); }
-
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[kVec]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    f[2 * k] = __uint_as_float(w[k] << 16);
-    f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-  }
-}
+using vec::round_bf16;
 
 // h = silu(g) * up, rounded as swiglu_forward stores it.
 __device__ __forceinline__ void swiglu8(const float (&g)[kVec], const float (&up)[kVec], float (&h)[kVec]) {
@@ -133,11 +125,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         const int64_t r = r0 + row, c = c0 + int64_t(vec) * kVec;
         if (r >= rows || c >= f) continue;
         float g[kVec], up[kVec], out[kHalves][kVec];
-        unpack8(rg[k], g);
-        unpack8(ru[k], up);
+        vec::unpack16<bf16>(rg[k], g);
+        vec::unpack16<bf16>(ru[k], up);
         if constexpr (kBackward) {
           float d[kVec];
-          unpack8(rd[k], d);
+          vec::unpack16<bf16>(rd[k], d);
           swiglu_grad8(g, up, d, out[0], out[1]);
         } else {
           swiglu8(g, up, out[0]);
@@ -176,11 +168,11 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = u / per_row, c = (u - r * per_row) * kVec;
     const uint16_t* xr = x + r * 2 * f + c;
     float g[kVec], up[kVec];
-    unpack8(__ldg(reinterpret_cast<const uint4*>(xr)), g);
-    unpack8(__ldg(reinterpret_cast<const uint4*>(xr + f)), up);
+    vec::unpack16<bf16>(__ldg(reinterpret_cast<const uint4*>(xr)), g);
+    vec::unpack16<bf16>(__ldg(reinterpret_cast<const uint4*>(xr + f)), up);
     if constexpr (kBackward) {
       float d[kVec], dg[kVec], du[kVec];
-      unpack8(__ldg(reinterpret_cast<const uint4*>(dy + r * f + c)), d);
+      vec::unpack16<bf16>(__ldg(reinterpret_cast<const uint4*>(dy + r * f + c)), d);
       swiglu_grad8(g, up, d, dg, du);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) m = max(m, max(abs_bits(dg[i]), abs_bits(du[i])));

@@ -1,6 +1,7 @@
-// Device-side helpers shared by the embedding, loss, optimizer, reduction and transpose
-// kernels: F32/BF16 element access in float, and 8-element vectors moved as 16-byte
-// loads and stores (two for F32, one for BF16). CUDA-only (included by .cu files).
+// Device-side helpers shared by the embedding, loss, optimizer, reduction, transpose and
+// FP8 cast kernels: F32/BF16 element access in float, 16-byte words unpacked to floats, and
+// 8-element vectors moved as 16-byte loads and stores (two for F32, one for BF16).
+// CUDA-only (included by .cu files).
 //
 // Eight elements is the one vector width for both storage types, so a kernel with mixed
 // operands (BF16 in, F32 out) still moves every operand in whole 16-byte transactions;
@@ -47,19 +48,44 @@ __host__ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
+// A 16-byte word as floats, element 0 first (little endian: element 2k of BF16 is the low
+// half of word k): 4 F32 values (T = float) or 8 BF16 ones (T = bf16, or uint16_t for a
+// kernel that keeps BF16 as its bits).
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& raw, float* f) {
+  static_assert(std::is_same_v<T, float> || sizeof(T) == 2, "F32 or BF16 (as bf16 or its uint16_t bits)");
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) f[k] = __uint_as_float(w[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = __uint_as_float(w[k] << 16);
+      f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  }
+}
+
+// One element of a kernel that keeps BF16 as its bits (T = uint16_t) or F32 (T = float).
+template <typename T>
+__device__ __forceinline__ float bits_to_float(T v) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint16_t>, "F32 or BF16 bits");
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return __uint_as_float(uint32_t(v) << 16);
+}
+
+// v rounded to BF16 (nearest even, NaN kept) and back: the value a BF16 store keeps.
+__device__ __forceinline__ float round_bf16(float v) { return bits_float(uint32_t(float_to_bf16_bits(v)) << 16); }
+
 // v[0..7] = p[0..7]; p 16-byte aligned.
 __device__ __forceinline__ void load8(const float* p, float (&v)[kWidth]) {
   const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 __device__ __forceinline__ void load8(const bf16* p, float (&v)[kWidth]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    v[2 * k] = bits_float(w[k] << 16);
-    v[2 * k + 1] = bits_float(w[k] & 0xffff0000u);
-  }
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);  // one 16-byte load, then unpacked
+  unpack16<bf16>(raw, v);
 }
 
 // p[0..7] = v[0..7] rounded to T; p 16-byte aligned.
@@ -99,14 +125,7 @@ __device__ __forceinline__ void load_packed(const bf16* p, Packed8<bf16>& r) { r
 __device__ __forceinline__ void unpack(const Packed8<float>& r, float (&v)[kWidth]) {
   v[0] = r.a.x, v[1] = r.a.y, v[2] = r.a.z, v[3] = r.a.w, v[4] = r.b.x, v[5] = r.b.y, v[6] = r.b.z, v[7] = r.b.w;
 }
-__device__ __forceinline__ void unpack(const Packed8<bf16>& r, float (&v)[kWidth]) {
-  const uint32_t w[4] = {r.w.x, r.w.y, r.w.z, r.w.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    v[2 * k] = bits_float(w[k] << 16);
-    v[2 * k + 1] = bits_float(w[k] & 0xffff0000u);
-  }
-}
+__device__ __forceinline__ void unpack(const Packed8<bf16>& r, float (&v)[kWidth]) { unpack16<bf16>(r.w, v); }
 
 // All eight elements -inf (padding that adds exp(-inf) = 0 to a sum and nothing to a max).
 __device__ __forceinline__ void fill_neg_inf(Packed8<float>& r) {
