@@ -5,37 +5,28 @@
 // becomes NaN, the row's gradient NaN, and the next embedding/cross-entropy call throws.
 //
 // Layout: logits / d_logits [N, V] row-major (row stride >= V). Forward, one read of each
-// row: rows of up to 32768 BF16 / 16384 F32 logits whose rows are 16-byte aligned are held
-// in registers as loaded (BF16 packed two to a register, so a thread holds 8 vectors in 32
-// registers and more rows are in flight per SM) by a group of threads: the max, then the sum
-// of exp2((x - max) * log2 e) from the registers. Wider or unaligned rows (GPT-2's 50257
-// starts rows at any 2- or 4-byte boundary) take one 512-thread block per row, walked as a
+// row: rows that loss_rows.cu's register-row kernels take (V and stride multiples of 8,
+// 16-byte aligned, short enough) go there; wider or unaligned rows (GPT-2's 50257 starts
+// rows at any 2- or 4-byte boundary) take one 512-thread block per row here, walked as a
 // scalar head up to the first 16-byte boundary, 8-element vectors (four in flight per
 // thread) and a scalar tail, with an online max and rescaled sum per thread merged across
 // the block. Thread 0 of a row loads the target index before the row and the target logit
 // after issuing the row's loads, so the row's term lse - logits[n, target] costs no memory
 // round trip after the reductions. One block (a programmatic dependent launch: it counts
 // the targets while the last rows run, then waits) sums the terms in a fixed order
-// (deterministic). Backward: a one-block kernel computes d_loss / n_valid; the row kernel
-// (its programmatic dependent) starts at once, 256 threads a row, two vectors in flight per
-// thread, and reads the scale after its first loads are issued; the row's target and lse
-// are loaded beside the row and ignored / bad rows go through the same walk (a select), so
-// no load waits on another. It may run in place (d_logits == logits): every element is
-// read and written by one thread.
+// (deterministic; with shuffles after the warp-row forward). Backward: a one-block kernel
+// computes d_loss / n_valid; the gradient kernel (its programmatic dependent) starts at
+// once: loss_rows.cu's flat backward where it applies, else the row kernel here, 256
+// threads a row, two vectors in flight per thread, reading the scale after its first loads
+// are issued; the row's target and lse are loaded beside the row and ignored / bad rows go
+// through the same walk (a select), so no load waits on another. It may run in place
+// (d_logits == logits): every element is read and written by one thread.
 // Floors: forward N * V * bytes / 4.1 TB/s (1024 x 128256 BF16 = 263 MB -> 64 us);
 // backward twice that. Measured on the H200 against cudaMemcpy D2D (3.8 TB/s) in the same
-// run (bench_bandwidth, 16384 x 4096 BF16): forward 12 -> 53% (single-pass rows, the
-// target gathered per row), backward 66 -> 68%; then with the packed rows, the target
-// logit loaded beside the row, PDL and exp2 (2026-11-30): forward 68%, backward 72%; at
-// 16384 x 768 (rows of 1.5 KB, launch and tail bound) 45% / 44%. Still short of the 85%
-// goal: a row of 4096 is too short to keep enough bytes in flight per SM.
-// Warp-row forward and flat backward (the defaults where they apply; softmax_tuning.h keeps
-// the kernels above selectable): rows of up to 4096 BF16 / 2048 F32 logits with vocabulary
-// and stride multiples of 8 are held by 4 to 32 lanes of one warp (row_lse.cuh: one online
-// pass over the registers, one merged butterfly, no barrier), and the loss block reduces
-// with shuffles. The backward needs no reduction: it maps 16-byte vectors of the whole
-// [N, V] gradient, 4 (or 8) per thread with all loads issued first, so short rows fill whole
-// blocks. Floors as above. Speed: not yet measured.
+// run (bench_bandwidth, 16384 x 4096 BF16): the row backward 66 -> 68%, then with the
+// target and lse loaded beside the row, PDL and exp2 (2026-11-30): 72%; at 16384 x 768
+// (rows of 1.5 KB, launch and tail bound) 44%. The forward's figures of those runs are
+// the register-row kernels' (loss_rows.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -44,44 +35,21 @@
 #include "cuda_check.h"
 #include "index_error.h"
 #include "loss.h"
-#include "row_lse.cuh"
+#include "loss_kernels.cuh"
 #include "softmax_tuning.h"
 #include "vec_io.cuh"
 
 namespace tessera::cuda {
+
+namespace xent {
 
 namespace {
 
 using vec::kWidth;
 
 constexpr int kRowThreads = 512;     // the looping forward kernel: one block per row
-constexpr int kGradThreads = 256;    // the backward: one block per row
-constexpr int kReduceThreads = 1024;
-constexpr int kLseMaxGroup = 512;    // the register forward kernel: threads per row ...
-constexpr int kLseMaxVectors = 4;    // ... and F32 vectors per thread (rows up to 16384 logits;
-                                     // BF16, packed: 8, rows up to 32768)
 constexpr int kUnroll = 8;           // rows per thread per step of the single-block sums
 constexpr int kRowVectors = 4;       // the looping forward kernel: vectors in flight per thread
-
-// exp(d) as exp2f(d * log2(e)): one multiply and the SFU's exp2. d is x - max (or x - lse),
-// exact near the max where the terms matter, so the scaling's rounding stays relative to d.
-constexpr float kLog2e = 1.4426950408889634f;
-
-// Programmatic dependent launch (sm_90): a kernel launched with launch_pdl may start before
-// the one ahead of it in the stream ends, once every block of that one has called
-// pdl_launch_dependents (or exited); it must call pdl_wait before touching anything the
-// earlier kernel writes, and every one of its blocks calls it (so it cannot end first).
-// Without the launch attribute, or below sm_90, both are no-ops.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // ---- Online log-sum-exp ------------------------------------------------------------------
 //
@@ -136,35 +104,6 @@ __device__ Lse block_lse(Lse v) {
   return r;
 }
 
-// The row's loss term lse - logits[n, target], in double, is written by thread 0 of the row
-// next to lse; 0 for an ignored or bad target (the sum skips those rows). Thread 0 loads the
-// target index before the row and the target logit once the row's loads are issued, so
-// neither wait is on the row's path: the logit comes from lines the row is bringing in and
-// is needed only after the reductions.
-// fetch() only loads the index (code testing it there would stall the warp before the row's
-// loads); gather() tests it and loads the logit, after the row's loads are issued.
-struct RowTarget {
-  int64_t t = 0;
-  bool ok = false;
-  float x = 0.0f;
-  template <typename Tg>
-  __device__ __forceinline__ void fetch(const Tg* targets, int64_t row) {
-    t = static_cast<int64_t>(targets[row]);
-  }
-  template <typename T>
-  __device__ __forceinline__ void gather(const T* row_logits, int64_t vocab, int64_t ignore_index) {
-    ok = t != ignore_index && t >= 0 && t < vocab;
-    if (ok) x = vec::load(row_logits, t);
-  }
-  __device__ __forceinline__ void write(int64_t row, float lse_value, double* terms) const {
-    terms[row] = ok ? static_cast<double>(lse_value) - static_cast<double>(x) : 0.0;
-  }
-};
-
-__device__ __forceinline__ float lse_value(float m, float s) {
-  return (m == INFINITY || m == -INFINITY) ? NAN : m + logf(s);
-}
-
 // One block per row of any width and alignment: a scalar head to the first 16-byte
 // boundary, kRowVectors vectors in flight per thread per step, a scalar tail; an online
 // (max, rescaled sum) per thread, merged across the block. One read of the row.
@@ -202,97 +141,6 @@ __global__ void __launch_bounds__(kRowThreads)
   const float value = lse_value(row.m, row.s);
   lse[blockIdx.x] = value;
   target.write(blockIdx.x, value, terms);
-}
-
-// Reduces v over the blockDim.x threads of a row group; every thread of the group gets the
-// same bits. Up to a warp: xor butterfly; several warps (the group is then the whole block):
-// warp results through `shared`, combined in warp order.
-template <typename Op>
-__device__ __forceinline__ float group_reduce(float v, float* shared, Op op) {
-  const int width = blockDim.x < 32 ? blockDim.x : 32;
-  for (int offset = width / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  if (blockDim.x <= 32) return v;
-  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float r = shared[0];
-  for (int w = 1; w < int(blockDim.x >> 5); ++w) r = op(r, shared[w]);
-  return r;
-}
-
-// Rows of vocab % 8 == 0 logits, 16-byte aligned, held in registers as loaded (BF16
-// packed, half the registers of floats: more rows in flight per SM): NV vectors per thread
-// of a group of blockDim.x threads (a warp's loads contiguous); blockDim.y rows per block.
-// The max first, then the sum of exp(x - max) from the registers: one read of the row, and
-// a more accurate sum than the online rescaling. -inf entries (and the padding of a partial
-// group, set to -inf) add exp(-inf) = 0; a NaN makes the sum NaN; a max of +-inf gives NaN.
-template <typename T, typename Tg, int NV>
-__global__ void __launch_bounds__(kLseMaxGroup)
-    lse_rows_kernel(const T* logits, const Tg* targets, float* lse, double* terms, int64_t rows, int64_t vocab,
-                    int64_t ld, int64_t ignore_index) {
-  __shared__ float red[2][32];
-  pdl_launch_dependents();  // the loss kernel may start; it waits before reading terms
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool live = row < rows;
-  const T* x = logits + (live ? row : 0) * ld;
-  RowTarget target;
-  if (live && threadIdx.x == 0) target.fetch(targets, row);
-  const int width = int(vocab);  // at most kLseMaxGroup * 8 * kWidth: 32-bit column offsets
-  vec::Packed8<T> u[NV];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int c = (j * int(blockDim.x) + int(threadIdx.x)) * kWidth;
-    if (live && c < width) vec::load_packed(x + c, u[j]);
-    else vec::fill_neg_inf(u[j]);
-  }
-  if (live && threadIdx.x == 0) target.gather(x, vocab, ignore_index);
-  float m = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    float v[kWidth];
-    vec::unpack(u[j], v);
-#pragma unroll
-    for (int k = 0; k < kWidth; ++k) m = fmaxf(m, v[k]);
-  }
-  m = group_reduce(m, red[0], [](float a, float b) { return fmaxf(a, b); });
-  float s = 0.0f;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    float v[kWidth];
-    vec::unpack(u[j], v);
-#pragma unroll
-    for (int k = 0; k < kWidth; ++k) s += exp2f((v[k] - m) * kLog2e);
-  }
-  s = group_reduce(s, red[1], [](float a, float b) { return a + b; });
-  if (!live || threadIdx.x != 0) return;
-  const float value = lse_value(m, s);
-  lse[row] = value;
-  target.write(row, value, terms);
-}
-
-// The warp-row forward (the default where it applies): rows of vocab % 8 == 0 logits, row
-// stride a multiple of 8 and 16-byte aligned, held by G lanes of one warp (row_lse.cuh: one
-// merged (max, sum) butterfly, no barrier); 128-thread blocks of 128 / G rows. The target is
-// handled as in lse_rows_kernel (lane 0: index before the row, logit after its loads).
-template <typename T, typename Tg, int NV>
-__global__ void __launch_bounds__(warprow::kThreads, (warprow::min_blocks<T, NV>()))
-    lse_warp_kernel(const T* logits, const Tg* targets, float* lse, double* terms, int64_t rows, int vocab,
-                    int64_t ld, int64_t ignore_index, int g) {
-  pdl_launch_dependents();  // the loss kernel may start; it waits before reading terms
-  const int lane = int(threadIdx.x) & (g - 1);
-  const int64_t row = int64_t(blockIdx.x) * (warprow::kThreads / g) + threadIdx.x / g;
-  const bool live = row < rows;
-  const T* x = logits + (live ? row : 0) * ld;
-  RowTarget target;
-  if (live && lane == 0) target.fetch(targets, row);
-  warprow::RegRow<T, NV> r;
-  r.load(x, live, lane, g, vocab);
-  if (live && lane == 0) target.gather(x, vocab, ignore_index);
-  float m, sum;
-  r.lse_online(g, m, sum);
-  if (!live || lane != 0) return;
-  const float value = lse_value(m, sum);
-  lse[row] = value;
-  target.write(row, value, terms);
 }
 
 // ---- Fixed-order block sums ---------------------------------------------------------------
@@ -506,96 +354,9 @@ __global__ void __launch_bounds__(kGradThreads)
   }
 }
 
-// The flat backward (the default where it applies): the gradient is a map of each logit
-// given its row's lse and target, so no row needs a block. The [N, V] logits are walked as
-// N * V / 8 16-byte vectors (vocab, both row strides multiples of 8, both bases 16-byte
-// aligned, fewer than 2^32 vectors), K per thread, a warp's contiguous: every thread issues
-// its K loads first, then its rows' target and lse (cached: a row's vectors share them),
-// then waits for the scale (pdl_wait: grad_scale_kernel is its programmatic predecessor).
-// Short rows (768) thus fill whole blocks instead of leaving most of a 256-thread row block
-// idle. Same arithmetic as grad_kernel (the FP8 backward's bytes rely on it); a bad target's
-// row is NaN and reported by the thread holding its first vector; d_logits may be logits.
-template <typename T, typename Out, typename Tg, int K>
-__global__ void __launch_bounds__(kGradThreads, (sizeof(T) == 2 ? (K <= 4 ? 4 : 2) : 1))
-    grad_flat_kernel(const T* logits, const Tg* targets, const float* lse, const float* scale_ptr, Out* d_logits,
-                     uint32_t total, uint32_t vectors_per_row, int64_t vocab, int64_t ld, int64_t ld_out,
-                     int64_t ignore_index, IndexErrorSink sink) {
-  const uint32_t first = blockIdx.x * uint32_t(kGradThreads * K) + threadIdx.x;
-  vec::Packed8<T> p[K];
-  uint32_t row[K], col[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const uint32_t i = first + uint32_t(k * kGradThreads);
-    row[k] = i / vectors_per_row;
-    col[k] = (i - row[k] * vectors_per_row) * kWidth;
-    if (i < total) vec::load_packed(logits + int64_t(row[k]) * ld + col[k], p[k]);
-  }
-  // Per vector, what the target makes of it (int, not the int64 target: fewer registers,
-  // more vectors in flight): kIgnored, kBad, or the target's offset in the vector (0..7),
-  // kWidth when it lies elsewhere in the row.
-  constexpr int kIgnored = -1, kBad = -2;
-  int code[K];
-  float row_lse[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const bool in = first + uint32_t(k * kGradThreads) < total;
-    const int64_t t = in ? static_cast<int64_t>(targets[row[k]]) : ignore_index;
-    const int64_t offset = t - int64_t(col[k]);
-    code[k] = t == ignore_index          ? kIgnored
-              : (t < 0 || t >= vocab)   ? kBad
-              : (offset >= 0 && offset < kWidth) ? int(offset)
-                                                 : kWidth;
-    row_lse[k] = in ? lse[row[k]] : 0.0f;
-  }
-  pdl_wait();  // every thread (see pdl_wait)
-  const float scale = *scale_ptr;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if (first + uint32_t(k * kGradThreads) >= total) break;
-    const bool fixed = code[k] < 0;
-    const float fixed_value = code[k] == kIgnored ? 0.0f : NAN;
-    float w[kWidth];
-    vec::unpack(p[k], w);
-#pragma unroll
-    for (int e = 0; e < kWidth; ++e) {
-      const float q = scale * exp2f((w[e] - row_lse[k]) * kLog2e);
-      w[e] = fixed ? fixed_value : (e == code[k] ? q - scale : q);
-    }
-    vec::store8(d_logits + int64_t(row[k]) * ld_out + col[k], w);
-  }
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if (first + uint32_t(k * kGradThreads) >= total) break;
-    if (col[k] == 0 && code[k] == kBad) record_bad_index(sink, static_cast<int64_t>(targets[row[k]]), row[k]);
-  }
-}
-
-// Launches kernel as a programmatic dependent of the previous work on stream s (see pdl_wait).
-// kUsePdl = false makes it an ordinary launch (the kernels stay correct: pdl_wait is then a
-// no-op and the stream orders them).
-constexpr bool kUsePdl = true;
-template <typename... Params, typename... Args>
-void launch_pdl(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t s, Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = 0;
-  config.stream = s;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = kUsePdl ? 1 : 0;
-  TESSERA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
-}
-
-template <typename Fn>
-void dispatch_targets(const Tensor& targets, Fn&& fn) {
-  if (targets.dtype() == DType::I64) fn(static_cast<int64_t*>(nullptr));
-  else fn(static_cast<int32_t*>(nullptr));
-}
-
 }  // namespace
+
+}  // namespace xent
 
 bool cross_entropy_forward_supported(const Tensor& logits, const Tensor& loss, const Tensor& lse) {
   return vec::is_f32_or_bf16(logits.dtype()) && lse.dtype() == DType::F32 &&
@@ -604,6 +365,7 @@ bool cross_entropy_forward_supported(const Tensor& logits, const Tensor& loss, c
 
 void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& targets, Tensor& loss, Tensor& lse,
                            int64_t ignore_index) {
+  using namespace xent;
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TESSERA_CHECK(rows <= 0x7fffffff, "cross_entropy_forward on CUDA: ", rows, " rows exceed one grid");
   auto s = static_cast<cudaStream_t>(stream);
@@ -612,59 +374,25 @@ void cross_entropy_forward(void* stream, const Tensor& logits, const Tensor& tar
   // terms[n] = lse[n] - logits[n, target]: written beside lse, summed by loss_kernel.
   Tensor terms = Tensor::empty({std::max<int64_t>(rows, 1)}, DType::F64, logits.device());
   const int64_t ld = logits.stride(0);
-  vec::dispatch(logits.dtype(), "cross_entropy_forward", [&](auto* tag) {
+  dispatch_forward(logits, targets, [&](auto* tag, auto* ttag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    using Tg = std::remove_pointer_t<decltype(ttag)>;
     const T* x = logits.data<T>();
-    dispatch_targets(targets, [&](auto* ttag) {
-      using Tg = std::remove_pointer_t<decltype(ttag)>;
-      const Tg* tg = targets.data<Tg>();
-      const RowTuning tuning = row_tuning();
-      const warprow::Shape warp_shape =
-          tuning.cross_entropy_forward == 0 && vocab % kWidth == 0 && ld % kWidth == 0 && vec::aligned16(x)
-              ? warprow::shape_for(vocab / kWidth, int(sizeof(vec::Packed8<T>) / 4), tuning.group)
-              : warprow::Shape{};
-      if (rows > 0 && warp_shape.nv > 0) {
-        const int per_block = warprow::kThreads / warp_shape.group;
-        const unsigned blocks = static_cast<unsigned>((rows + per_block - 1) / per_block);
-        warprow::dispatch_nv<warprow::max_nv<T>()>(warp_shape.nv, [&](auto nv_tag) {
-          lse_warp_kernel<T, Tg, decltype(nv_tag)::value><<<blocks, warprow::kThreads, 0, s>>>(
-              x, tg, lse.data<float>(), terms.data<double>(), rows, int(vocab), ld, ignore_index, warp_shape.group);
-        });
-      } else if (rows > 0) {
-        // Registers when the rows are 16-byte aligned and short enough; else the looping kernel.
-        const int64_t units = vocab % kWidth == 0 && ld % kWidth == 0 && vec::aligned16(x) ? vocab / kWidth : 0;
-        // A thread holds about 32 registers of the row: 8 packed BF16 vectors or 4 F32 ones.
-        const int per_thread = sizeof(T) == 2 ? 8 : 4, max_nv = sizeof(T) == 2 ? 8 : kLseMaxVectors;
-        int tpr = 1;
-        while (tpr < (units + per_thread - 1) / per_thread && tpr < kLseMaxGroup) tpr *= 2;
-        int nv = 1;
-        while (nv < (units + tpr - 1) / tpr) nv *= 2;
-        if (units > 0 && nv <= max_nv) {
-          const int rpb = tpr > 32 ? 1 : 128 / tpr;
-          const unsigned blocks = static_cast<unsigned>((rows + rpb - 1) / rpb);
-          const dim3 block(tpr, rpb);
-          auto launch = [&](auto kernel) {
-            kernel<<<blocks, block, 0, s>>>(x, tg, lse.data<float>(), terms.data<double>(), rows, vocab, ld,
-                                            ignore_index);
-          };
-          if (nv == 1) launch(lse_rows_kernel<T, Tg, 1>);
-          else if (nv == 2) launch(lse_rows_kernel<T, Tg, 2>);
-          else if (nv == 4) launch(lse_rows_kernel<T, Tg, 4>);
-          else if constexpr (sizeof(T) == 2) launch(lse_rows_kernel<T, Tg, 8>);
-        } else {
-          lse_kernel<T, Tg><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(x, tg, lse.data<float>(),
-                                                                                terms.data<double>(), vocab, ld,
-                                                                                ignore_index);
-        }
-      }
-      // Also for rows = 0: the loss is then written as 0.
-      auto loss_launch = [&](auto kernel) {
-        launch_pdl(kernel, 1, kReduceThreads, s, tg, static_cast<const double*>(terms.data<double>()),
-                   loss.raw_data(), loss.dtype() == DType::F64, rows, vocab, ignore_index, sink);
-      };
-      if (tuning.cross_entropy_forward == 0) loss_launch(loss_kernel<Tg, true>);
-      else loss_launch(loss_kernel<Tg, false>);
-    });
+    const Tg* tg = targets.data<Tg>();
+    const RowTuning tuning = row_tuning();
+    // The register-row kernels (loss_rows.cu) where the rows allow them; else the looping kernel.
+    if (rows > 0 && !forward_rows_in_registers(s, logits, targets, lse, terms, ignore_index, tuning)) {
+      lse_kernel<T, Tg><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(x, tg, lse.data<float>(),
+                                                                            terms.data<double>(), vocab, ld,
+                                                                            ignore_index);
+    }
+    // Also for rows = 0: the loss is then written as 0.
+    auto loss_launch = [&](auto kernel) {
+      launch_pdl(kernel, 1, kReduceThreads, s, tg, static_cast<const double*>(terms.data<double>()),
+                 loss.raw_data(), loss.dtype() == DType::F64, rows, vocab, ignore_index, sink);
+    };
+    if (tuning.cross_entropy_forward == 0) loss_launch(loss_kernel<Tg, true>);
+    else loss_launch(loss_kernel<Tg, false>);
   });
   TESSERA_CUDA_CHECK_LAUNCH();
 }
@@ -675,6 +403,7 @@ bool cross_entropy_backward_supported(const Tensor& logits, const Tensor& lse, c
 
 void cross_entropy_backward(void* stream, const Tensor& logits, const Tensor& targets, const Tensor& lse,
                             float d_loss, Tensor& d_logits, int64_t ignore_index) {
+  using namespace xent;
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   if (rows == 0) return;
   TESSERA_CHECK(rows <= 0x7fffffff, "cross_entropy_backward on CUDA: ", rows, " rows exceed one grid");
@@ -697,29 +426,19 @@ void cross_entropy_backward(void* stream, const Tensor& logits, const Tensor& ta
     else
       grad_scale_kernel<Tg, false><<<1, kReduceThreads, 0, s>>>(targets.data<Tg>(), rows, ignore_index, d_loss,
                                                                 scale.data<float>());
-    vec::dispatch(logits.dtype(), "cross_entropy_backward", [&](auto* tag) {
-      using T = std::remove_pointer_t<decltype(tag)>;
-      vec::dispatch(d_logits.dtype(), "cross_entropy_backward", [&](auto* otag) {
-        using Out = std::remove_pointer_t<decltype(otag)>;
-        const T* x = logits.data<T>();
-        const Tg* tg = targets.data<Tg>();
-        const float *lse_p = lse.data<float>(), *scale_p = scale.data<float>();
-        if (flat) {
-          auto launch = [&](auto kernel, int k) {
-            const int64_t blocks = (total + int64_t(kGradThreads) * k - 1) / (int64_t(kGradThreads) * k);
-            launch_pdl(kernel, static_cast<unsigned>(blocks), kGradThreads, s, x, tg, lse_p, scale_p,
-                       d_logits.data<Out>(), static_cast<uint32_t>(total), static_cast<uint32_t>(vocab / kWidth),
-                       vocab, ld, ld_out, ignore_index, sink);
-          };
-          if (per_thread == 8) launch(grad_flat_kernel<T, Out, Tg, 8>, 8);
-          else launch(grad_flat_kernel<T, Out, Tg, 4>, 4);
-        } else {
-          launch_pdl(grad_kernel<T, Out, Tg>, static_cast<unsigned>(rows), kGradThreads, s, x, tg, lse_p, scale_p,
-                     d_logits.data<Out>(), vocab, ld, ld_out, ignore_index, sink);
-        }
-      });
-    });
   });
+  if (flat) {
+    backward_flat(s, logits, targets, lse, scale, d_logits, total, per_thread, ignore_index, sink);  // loss_rows.cu
+  } else {
+    dispatch_backward(targets, logits, d_logits, [&](auto* ttag, auto* tag, auto* otag) {
+      using Tg = std::remove_pointer_t<decltype(ttag)>;
+      using T = std::remove_pointer_t<decltype(tag)>;
+      using Out = std::remove_pointer_t<decltype(otag)>;
+      launch_pdl(grad_kernel<T, Out, Tg>, static_cast<unsigned>(rows), kGradThreads, s, logits.data<T>(),
+                 targets.data<Tg>(), lse.data<float>(), scale.data<float>(), d_logits.data<Out>(), vocab, ld, ld_out,
+                 ignore_index, sink);
+    });
+  }
   TESSERA_CUDA_CHECK_LAUNCH();
 }
 
