@@ -13,15 +13,13 @@
 // no GPU is present; on a GPU other than Hopper the kernel reports "unsupported" and the
 // test skips too.
 #include <cmath>
-#include <cstring>
 #include <numeric>
-#include <sstream>
+#include <string>
 
 #if TESSERA_WITH_CUDA
-#include "backend/cuda/grouped_gemm_wgmma.h"
+#include "grouped_gemm_testing.h"
 #endif
 #include "gpu_testing.h"
-#include "tessera/core/numeric.h"
 #include "tessera/ops/moe.h"
 
 using namespace tessera;
@@ -31,83 +29,6 @@ using namespace tessera::testing;
 #if TESSERA_WITH_CUDA
 
 namespace {
-
-// A device BF16 tensor whose every bit is set (0xFFFF is a NaN).
-Tensor poisoned_bf16(const Shape& shape) {
-  Tensor host = Tensor::empty(shape, DType::BF16);
-  std::memset(host.raw_data(), 0xFF, host.nbytes());
-  return host.to(kCuda);
-}
-
-struct Check {
-  double rel = 0;            // relative Frobenius error over the checked rows
-  int64_t nan = 0;           // NaN in got where want is finite
-  int64_t bad = 0;           // elements off by more than the loose per-element bound
-  int64_t first_bad = -1;    // flat index of the first NaN or bad element
-  float want_at = 0, got_at = 0;
-  int64_t poison_written = 0;  // rows >= `rows` that are no longer all-ones bits
-  std::string describe(int64_t n) const {
-    std::ostringstream s;
-    s << "relative error " << rel << ", " << nan << " NaN, " << bad << " elements off";
-    if (first_bad >= 0)
-      s << "; first at row " << first_bad / n << " column " << first_bad % n << ": expected " << want_at << ", got "
-        << got_at;
-    if (poison_written) s << "; " << poison_written << " elements written past the experts' rows";
-    return s.str();
-  }
-};
-
-// got and want [R, n] BF16 (any device): rows [0, rows) compared; with poison_tail, rows
-// [rows, R) of got must still hold the poison bits. skip_row (>= 0) is left out.
-Check compare(const Tensor& got_any, const Tensor& want_any, int64_t rows, bool poison_tail, int64_t skip_row = -1) {
-  const Tensor got = got_any.to(Device::cpu()).contiguous(), want = want_any.to(Device::cpu()).contiguous();
-  const int64_t n = got.size(1);
-  const bf16* g = got.data<bf16>();
-  const bf16* w = want.data<bf16>();
-  double ss_want = 0;
-  for (int64_t i = 0; i < rows * n; ++i) {
-    if (i / n == skip_row) continue;
-    const double v = w[i].to_float();
-    ss_want += v * v;
-  }
-  const double rms = std::sqrt(ss_want / std::max<double>(1.0, static_cast<double>(rows * n)));
-  Check c;
-  double ss_diff = 0;
-  for (int64_t i = 0; i < rows * n; ++i) {
-    if (i / n == skip_row) continue;
-    const float gv = g[i].to_float(), wv = w[i].to_float();
-    const bool is_nan = std::isnan(gv) && !std::isnan(wv);
-    const double d = static_cast<double>(gv) - wv;
-    const bool off = !is_nan && std::fabs(d) > 0.1 * rms + 0.05 * std::fabs(wv);
-    if (is_nan) ++c.nan;
-    if (off) ++c.bad;
-    if ((is_nan || off) && c.first_bad < 0) {
-      c.first_bad = i;
-      c.want_at = wv;
-      c.got_at = gv;
-    }
-    if (!is_nan) ss_diff += d * d;
-  }
-  c.rel = c.nan ? INFINITY : std::sqrt(ss_diff / std::max(ss_want, 1e-30));
-  if (poison_tail)
-    for (int64_t i = rows * n; i < got.numel(); ++i) c.poison_written += g[i].bits != 0xFFFF;
-  return c;
-}
-
-bool passed(const Check& c) { return c.rel < 1e-2 && c.nan == 0 && c.bad == 0 && c.poison_written == 0; }
-
-std::string splits_string(const std::vector<int64_t>& splits) {
-  std::ostringstream s;
-  for (size_t i = 0; i < splits.size(); ++i) s << (i ? "," : "{") << splits[i];
-  s << "}";
-  return s.str();
-}
-
-Tensor device_offsets(const std::vector<int64_t>& splits) {
-  std::vector<int64_t> off(splits.size() + 1, 0);
-  for (size_t e = 0; e < splits.size(); ++e) off[e + 1] = off[e] + splits[e];
-  return Tensor::from_ints(off, {static_cast<int64_t>(off.size())}, DType::I64).to(kCuda);
-}
 
 struct Restore {
   cuda::GroupedGemmVariant variant = cuda::grouped_gemm_variant();
@@ -124,41 +45,19 @@ const cuda::GroupedGemmVariant kNewVariants[] = {cuda::GroupedGemmVariant::Coop2
 
 const char* name(cuda::GroupedGemmVariant v) { return cuda::grouped_gemm_variant_name(v); }
 
+constexpr const char* kNotHopper = "not a Hopper GPU: the kernel does not run";
+
 }  // namespace
 
 TEST(GpuGroupedGemmWgmma, SmallShapesMatchTheCpuReference) {
   REQUIRE_GPU();
-  Context cpu = Context::cpu(), gpu = Context::cuda();
-  struct Case {
-    int64_t k, n;
-    std::vector<int64_t> splits;
-    int64_t extra_rows;  // rows of x / y past the splits
-  };
-  const std::vector<Case> cases = {
+  const std::vector<SmallGemmCase> cases = {  // {K, N, splits, rows of x / y past the splits}
       {256, 256, {130, 0, 77}, 5},      {128, 192, {1, 129}, 0},          {512, 320, {0, 0, 333, 0}, 0},
       {256, 256, {100, 0, 57, 200}, 3}, {64, 64, {128, 256, 1, 127, 0}, 0}, {256, 384, {0, 0, 0, 0}, 4},
       // More tiles than SMs, not a multiple of two per CTA: ping-pong's second warpgroup works.
       {256, 1024, {1500, 0, 1333, 211}, 7},
   };
-  uint64_t seed = 9100;
-  for (const Case& cs : cases) {
-    const int64_t e = static_cast<int64_t>(cs.splits.size());
-    const int64_t used = std::accumulate(cs.splits.begin(), cs.splits.end(), int64_t{0});
-    const int64_t rows = used + cs.extra_rows;
-    const Tensor x = random_tensor({rows, cs.k}, DType::BF16, seed++);
-    const Tensor w = random_tensor({e, cs.n, cs.k}, DType::BF16, seed++, -0.1f, 0.1f);
-    Tensor ref = Tensor::empty({rows, cs.n}, DType::BF16);
-    grouped_linear_forward(cpu, x, w, cs.splits, ref);
-    const Tensor xd = x.to(kCuda), wd = w.to(kCuda);
-    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
-      Tensor y = poisoned_bf16({rows, cs.n});
-      if (!cuda::grouped_gemm_wgmma_supported(xd, wd, y)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::grouped_gemm_wgmma_forward(gpu.stream, xd, wd, device_offsets(cs.splits), y, v);
-      const Check c = compare(y, ref, used, true);
-      EXPECT_TRUE(passed(c)) << "direct call, K " << cs.k << " N " << cs.n << " splits " << splits_string(cs.splits)
-                             << " extra rows " << cs.extra_rows << " variant " << name(v) << ": " << c.describe(cs.n);
-    }
-  }
+  if (!expect_small_cases_match(GemmOp{false}, cases, 9100, "direct call,")) GTEST_SKIP() << kNotHopper;
 }
 
 TEST(GpuGroupedGemmWgmma, NanStaysInItsRow) {
@@ -174,9 +73,9 @@ TEST(GpuGroupedGemmWgmma, NanStaysInItsRow) {
   const Tensor xd = x.to(kCuda), wd = w.to(kCuda);
   for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
     Tensor y = poisoned_bf16({rows, n});
-    if (!cuda::grouped_gemm_wgmma_supported(xd, wd, y)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
+    if (!cuda::grouped_gemm_wgmma_supported(xd, wd, y)) GTEST_SKIP() << kNotHopper;
     cuda::grouped_gemm_wgmma_forward(gpu.stream, xd, wd, device_offsets(splits), y, v);
-    const Check c = compare(y, ref, rows, false, nan_row);
+    const GemmCheck c = compare_gemm(y, ref, rows, false, nan_row);
     EXPECT_TRUE(passed(c)) << "rows other than the NaN row, variant " << name(v) << ": " << c.describe(n);
     const Tensor yh = y.to(Device::cpu());
     int64_t finite = 0;
@@ -197,20 +96,9 @@ TEST(GpuGroupedGemmWgmma, FrontEndMatchesTheCublasLoop) {
     const int64_t k = 512, n = 640, rows = 350;
     const Tensor x = random_tensor({rows, k}, DType::BF16, seed++).to(kCuda);
     const Tensor w = random_tensor({4, n, k}, DType::BF16, seed++, -0.1f, 0.1f).to(kCuda);
-    Tensor want = poisoned_bf16({rows, n});
-    cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
-    grouped_linear_forward(gpu, x, w, splits, want);
-    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
-      Tensor got = poisoned_bf16({rows, n});
-      if (!cuda::grouped_gemm_wgmma_supported(x, w, got)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Own);
-      cuda::set_grouped_gemm_variant(v);
-      grouped_linear_forward(gpu, x, w, splits, got);
-      cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
-      const Check c = compare(got, want, rows, false);
-      EXPECT_TRUE(passed(c)) << "front end, splits " << splits_string(splits) << " variant " << name(v) << ": "
-                             << c.describe(n);
-    }
+    if (!expect_own_matches_cublas(GemmOp{false}, cuda::kGroupedGemmVariants, gpu, x, w, splits, n, true,
+                                   "front end, splits " + splits_string(splits)))
+      GTEST_SKIP() << kNotHopper;
   }
 }
 
@@ -219,11 +107,8 @@ TEST(GpuGroupedGemmWgmma, MixtralShapesMatchTheCublasLoop) {
   REQUIRE_GPU();
   Restore restore;
   Context gpu = Context::cuda();
-  const int64_t e = 8, k = 4096, n = 14336, rows = 16384;
-  Tensor x = Tensor::empty({rows, k}, DType::BF16, kCuda);
-  Tensor w = Tensor::empty({e, n, k}, DType::BF16, kCuda);
-  fill_uniform(gpu, x, -1, 1, 9400);
-  fill_uniform(gpu, w, -0.02f, 0.02f, 9401);
+  const auto [x, w] = mixtral_operands(GemmOp{false}, gpu, 9400);
+  const int64_t n = MixtralOperands::kFfn, rows = MixtralOperands::kRows;
   const std::vector<std::vector<int64_t>> all = {
       std::vector<int64_t>(8, 2048),
       {4096, 3072, 2048, 2048, 1536, 1536, 1024, 1024},
@@ -232,17 +117,9 @@ TEST(GpuGroupedGemmWgmma, MixtralShapesMatchTheCublasLoop) {
   };
   for (const auto& splits : all) {
     ASSERT_EQ(std::accumulate(splits.begin(), splits.end(), int64_t{0}), rows);
-    Tensor want = poisoned_bf16({rows, n});
-    cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
-    grouped_linear_forward(gpu, x, w, splits, want);
-    for (cuda::GroupedGemmVariant v : kNewVariants) {
-      Tensor got = poisoned_bf16({rows, n});
-      if (!cuda::grouped_gemm_wgmma_supported(x, w, got)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::grouped_gemm_wgmma_forward(gpu.stream, x, w, device_offsets(splits), got, v);
-      const Check c = compare(got, want, rows, false);
-      EXPECT_TRUE(passed(c)) << "Mixtral E 8 K 4096 N 14336, splits " << splits_string(splits) << " variant "
-                             << name(v) << ": " << c.describe(n);
-    }
+    if (!expect_own_matches_cublas(GemmOp{false}, kNewVariants, gpu, x, w, splits, n, false,
+                                   "Mixtral E 8 K 4096 N 14336, splits " + splits_string(splits)))
+      GTEST_SKIP() << kNotHopper;
   }
 }
 
@@ -250,37 +127,13 @@ TEST(GpuGroupedGemmWgmma, MixtralShapesMatchTheCublasLoop) {
 // shapes against the CPU reference; output widths that leave a partial last tile included.
 TEST(GpuGroupedGemmWgmma, DgradSmallShapesMatchTheCpuReference) {
   REQUIRE_GPU();
-  Context cpu = Context::cpu(), gpu = Context::cuda();
-  struct Case {
-    int64_t n, k;  // w [E, n, k]: dy [rows, n] -> dx [rows, k]
-    std::vector<int64_t> splits;
-    int64_t extra_rows;
-  };
-  const std::vector<Case> cases = {
+  // {N, K, splits, extra rows}: w [E, N, K], dy [rows, N] -> dx [rows, K].
+  const std::vector<SmallGemmCase> cases = {
       {256, 256, {130, 0, 77}, 5},  {128, 192, {1, 129}, 0},          {512, 320, {0, 0, 333, 0}, 0},
       {64, 448, {100, 0, 57, 200}, 3}, {192, 64, {128, 256, 1, 127, 0}, 0},
       {256, 1088, {1500, 0, 1333, 211}, 7},  // many tiles, a partial last 256-wide tile
   };
-  uint64_t seed = 9500;
-  for (const Case& cs : cases) {
-    const int64_t e = static_cast<int64_t>(cs.splits.size());
-    const int64_t used = std::accumulate(cs.splits.begin(), cs.splits.end(), int64_t{0});
-    const int64_t rows = used + cs.extra_rows;
-    const Tensor dy = random_tensor({rows, cs.n}, DType::BF16, seed++);
-    const Tensor w = random_tensor({e, cs.n, cs.k}, DType::BF16, seed++, -0.1f, 0.1f);
-    Tensor ref = Tensor::empty({rows, cs.k}, DType::BF16);
-    grouped_linear_backward_input(cpu, dy, w, cs.splits, ref);
-    const Tensor dyd = dy.to(kCuda), wd = w.to(kCuda);
-    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
-      Tensor dx = poisoned_bf16({rows, cs.k});
-      if (!cuda::grouped_gemm_wgmma_backward_input_supported(dyd, wd, dx))
-        GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::grouped_gemm_wgmma_backward_input(gpu.stream, dyd, wd, device_offsets(cs.splits), dx, v);
-      const Check c = compare(dx, ref, used, true);
-      EXPECT_TRUE(passed(c)) << "dgrad, N " << cs.n << " K " << cs.k << " splits " << splits_string(cs.splits)
-                             << " extra rows " << cs.extra_rows << " variant " << name(v) << ": " << c.describe(cs.k);
-    }
-  }
+  if (!expect_small_cases_match(GemmOp{true}, cases, 9500, "dgrad,")) GTEST_SKIP() << kNotHopper;
 }
 
 // dx of the Mixtral up projection (w [8, 14336, 4096]): 16384 rows of dy [., 14336].
@@ -288,29 +141,16 @@ TEST(GpuGroupedGemmWgmma, DgradMixtralShapesMatchTheCublasLoop) {
   REQUIRE_GPU();
   Restore restore;
   Context gpu = Context::cuda();
-  const int64_t e = 8, n = 14336, k = 4096, rows = 16384;
-  Tensor dy = Tensor::empty({rows, n}, DType::BF16, kCuda);
-  Tensor w = Tensor::empty({e, n, k}, DType::BF16, kCuda);
-  fill_uniform(gpu, dy, -1, 1, 9600);
-  fill_uniform(gpu, w, -0.02f, 0.02f, 9601);
+  const auto [dy, w] = mixtral_operands(GemmOp{true}, gpu, 9600);
+  const int64_t k = MixtralOperands::kHidden;
   const std::vector<std::vector<int64_t>> all = {
       std::vector<int64_t>(8, 2048),
       {3001, 2500, 1999, 2100, 1701, 1555, 1099, 2429},
   };
-  for (const auto& splits : all) {
-    Tensor want = poisoned_bf16({rows, k});
-    cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
-    grouped_linear_backward_input(gpu, dy, w, splits, want);
-    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
-      Tensor got = poisoned_bf16({rows, k});
-      if (!cuda::grouped_gemm_wgmma_backward_input_supported(dy, w, got))
-        GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::grouped_gemm_wgmma_backward_input(gpu.stream, dy, w, device_offsets(splits), got, v);
-      const Check c = compare(got, want, rows, false);
-      EXPECT_TRUE(passed(c)) << "dgrad Mixtral E 8 N 14336 K 4096, splits " << splits_string(splits) << " variant "
-                             << name(v) << ": " << c.describe(k);
-    }
-  }
+  for (const auto& splits : all)
+    if (!expect_own_matches_cublas(GemmOp{true}, cuda::kGroupedGemmVariants, gpu, dy, w, splits, k, false,
+                                   "dgrad Mixtral E 8 N 14336 K 4096, splits " + splits_string(splits)))
+      GTEST_SKIP() << kNotHopper;
 }
 
 // grouped_linear_backward_input with the backend switched to Own (every variant as the
@@ -325,21 +165,9 @@ TEST(GpuGroupedGemmWgmma, BackwardInputFrontEndMatchesTheCublasLoop) {
     const int64_t n = 640, k = 512, rows = 350;  // w [4, n, k]: dy [rows, n] -> dx [rows, k]
     const Tensor dy = random_tensor({rows, n}, DType::BF16, seed++).to(kCuda);
     const Tensor w = random_tensor({4, n, k}, DType::BF16, seed++, -0.1f, 0.1f).to(kCuda);
-    Tensor want = poisoned_bf16({rows, k});
-    cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
-    grouped_linear_backward_input(gpu, dy, w, splits, want);
-    for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmVariants) {
-      Tensor got = poisoned_bf16({rows, k});
-      if (!cuda::grouped_gemm_wgmma_backward_input_supported(dy, w, got))
-        GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
-      cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Own);
-      cuda::set_grouped_gemm_variant(v);
-      grouped_linear_backward_input(gpu, dy, w, splits, got);
-      cuda::set_grouped_gemm_backend(cuda::GroupedGemmBackend::Cublas);
-      const Check c = compare(got, want, rows, false);
-      EXPECT_TRUE(passed(c)) << "backward_input front end, splits " << splits_string(splits) << " variant " << name(v)
-                             << ": " << c.describe(k);
-    }
+    if (!expect_own_matches_cublas(GemmOp{true}, cuda::kGroupedGemmVariants, gpu, dy, w, splits, k, true,
+                                   "backward_input front end, splits " + splits_string(splits)))
+      GTEST_SKIP() << kNotHopper;
   }
 }
 
@@ -362,9 +190,7 @@ TEST(GpuGroupedGemmWgmmaCluster, SmallShapesMatchTheCpuReference) {
   };
   uint64_t seed = 9800;
   for (const Case& cs : cases) {
-    const int64_t e = static_cast<int64_t>(cs.splits.size());
-    const int64_t used = std::accumulate(cs.splits.begin(), cs.splits.end(), int64_t{0});
-    const int64_t rows = used + cs.extra_rows;
+    const auto [e, used, rows] = split_rows(cs.splits, cs.extra_rows);
     const Tensor x = random_tensor({rows, cs.k}, DType::BF16, seed++);
     const Tensor w = random_tensor({e, cs.n, cs.k}, DType::BF16, seed++, -0.1f, 0.1f);
     const Tensor wt = random_tensor({e, cs.k, cs.n}, DType::BF16, seed++, -0.1f, 0.1f);  // dgrad: N = k here
@@ -374,13 +200,13 @@ TEST(GpuGroupedGemmWgmmaCluster, SmallShapesMatchTheCpuReference) {
     const Tensor xd = x.to(kCuda), wd = w.to(kCuda), wtd = wt.to(kCuda);
     for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmClusterVariants) {
       Tensor y = poisoned_bf16({rows, cs.n}), dx = poisoned_bf16({rows, cs.n});
-      if (!cuda::grouped_gemm_wgmma_supported(xd, wd, y)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
+      if (!cuda::grouped_gemm_wgmma_supported(xd, wd, y)) GTEST_SKIP() << kNotHopper;
       cuda::grouped_gemm_wgmma_forward(gpu.stream, xd, wd, device_offsets(cs.splits), y, v);
-      const Check c = compare(y, ref, used, true);
+      const GemmCheck c = compare_gemm(y, ref, used, true);
       EXPECT_TRUE(passed(c)) << "forward, K " << cs.k << " N " << cs.n << " splits " << splits_string(cs.splits)
                              << " variant " << name(v) << ": " << c.describe(cs.n);
       cuda::grouped_gemm_wgmma_backward_input(gpu.stream, xd, wtd, device_offsets(cs.splits), dx, v);
-      const Check d = compare(dx, ref_dx, used, true);
+      const GemmCheck d = compare_gemm(dx, ref_dx, used, true);
       EXPECT_TRUE(passed(d)) << "dgrad, N " << cs.k << " K " << cs.n << " splits " << splits_string(cs.splits)
                              << " variant " << name(v) << ": " << d.describe(cs.n);
     }
@@ -410,13 +236,13 @@ TEST(GpuGroupedGemmWgmmaCluster, MixtralShapesMatchTheCublasLoop) {
     grouped_linear_backward_input(gpu, dy, w, splits, want_dx);
     for (cuda::GroupedGemmVariant v : cuda::kGroupedGemmClusterVariants) {
       Tensor got = poisoned_bf16({rows, n}), got_dx = poisoned_bf16({rows, k});
-      if (!cuda::grouped_gemm_wgmma_supported(x, w, got)) GTEST_SKIP() << "not a Hopper GPU: the kernel does not run";
+      if (!cuda::grouped_gemm_wgmma_supported(x, w, got)) GTEST_SKIP() << kNotHopper;
       cuda::grouped_gemm_wgmma_forward(gpu.stream, x, w, device_offsets(splits), got, v);
-      const Check c = compare(got, want, rows, false);
+      const GemmCheck c = compare_gemm(got, want, rows, false);
       EXPECT_TRUE(passed(c)) << "Mixtral forward, splits " << splits_string(splits) << " variant " << name(v) << ": "
                              << c.describe(n);
       cuda::grouped_gemm_wgmma_backward_input(gpu.stream, dy, w, device_offsets(splits), got_dx, v);
-      const Check d = compare(got_dx, want_dx, rows, false);
+      const GemmCheck d = compare_gemm(got_dx, want_dx, rows, false);
       EXPECT_TRUE(passed(d)) << "Mixtral dgrad, splits " << splits_string(splits) << " variant " << name(v) << ": "
                              << d.describe(k);
     }

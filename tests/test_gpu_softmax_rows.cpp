@@ -9,88 +9,53 @@
 #include <string>
 #include <vector>
 
-#include "gpu_testing.h"
+#include "gpu_rows_testing.h"
 #include "tessera/ops/softmax.h"
-#if TESSERA_WITH_CUDA
-#include "backend/cuda/softmax_tuning.h"
-#endif
 
 using namespace tessera;
 using namespace tessera::testing;
-
-namespace {
-
-// NaN exactly where the reference has NaN, a small relative error elsewhere.
-void expect_close(const Tensor& got_device, const Tensor& want, double tol, const std::string& what) {
-  const std::vector<double> got = got_device.to(Device::cpu()).to_doubles(), ref = want.to_doubles();
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  std::vector<double> g, r;
-  int64_t nan_mismatch = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(ref[i]) || std::isnan(got[i])) {
-      if (std::isnan(ref[i]) != std::isnan(got[i]) && nan_mismatch++ < 3)
-        ADD_FAILURE() << what << ": element " << i << " is " << got[i] << ", want " << ref[i];
-      continue;
-    }
-    g.push_back(got[i]);
-    r.push_back(ref[i]);
-  }
-  EXPECT_EQ(nan_mismatch, 0) << what;
-  EXPECT_LT(relative_error(g, r), tol) << what;
-}
-
-}  // namespace
 
 TEST(GpuSoftmaxRows, EveryKernelChoiceMatchesTheCpuReference) {
   REQUIRE_GPU();
 #if TESSERA_WITH_CUDA
   Context cpu = Context::cpu(), gpu = Context::cuda();
-  struct Choice {
-    const char* name;
-    cuda::RowTuning tuning;
-  };
-  const Choice choices[] = {{"previous", {1, 1, 1, 0, 0}}, {"warp-row auto", {}},
-                            {"warp-row 4 lanes", {0, 0, 0, 4, 0}}, {"warp-row 8 lanes", {0, 0, 0, 8, 0}},
-                            {"warp-row 16 lanes", {0, 0, 0, 16, 0}}, {"warp-row 32 lanes", {0, 0, 0, 32, 0}}};
+  const std::vector<RowChoice> choices = {
+      {"previous", {1, 1, 1, 0, 0}},           {"warp-row auto", {}},
+      {"warp-row 4 lanes", {0, 0, 0, 4, 0}},   {"warp-row 8 lanes", {0, 0, 0, 8, 0}},
+      {"warp-row 16 lanes", {0, 0, 0, 16, 0}}, {"warp-row 32 lanes", {0, 0, 0, 32, 0}}};
   uint64_t seed = 900;
-  for (const Choice& choice : choices) {
-    cuda::set_row_tuning(choice.tuning);
-    for (DType t : {DType::F32, DType::BF16}) {
-      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
-               {37, 7}, {37, 768}, {33, 1000}, {9, 4096}, {6, 8192}, {6, 50304}, {1, 8}, {131, 64}}) {
-        const std::string what = std::string(choice.name) + " " + dtype_name(t) + " [" + std::to_string(rows) +
-                                 ", " + std::to_string(cols) + "]";
-        Tensor x = random_tensor({rows, cols}, t, seed++, -8.0f, 8.0f);
-        if (rows >= 6) {
-          x.set_item(1, -INFINITY);                                            // row 0: one masked entry
-          for (int64_t c = 0; c < cols; ++c) x.set_item(cols + c, -INFINITY);  // row 1: fully masked
-          x.set_item(2 * cols + cols / 2, NAN);                                // row 2: NaN
-          x.set_item(3 * cols + cols - 1, INFINITY);                           // row 3: +inf (NaN, as on the CPU)
-          for (int64_t c = 0; c < cols; ++c)                                   // row 4: large logits
-            x.set_item(4 * cols + c, 1000.0 * x.item(4 * cols + c));
-        }
-        const double tol = t == DType::BF16 ? 1e-2 : 1e-5;
-        Tensor want = Tensor::empty({rows, cols}, t);
-        softmax_forward(cpu, x, want);
-        Tensor got = poisoned_device({rows, cols}, t);
-        softmax_forward(gpu, x.to(kCuda), got);
-        expect_close(got, want, tol, "forward " + what);
-        // Misaligned rows take the previous kernels whatever the choice.
-        Tensor got_mis = poisoned_device({rows, cols}, t, true);
-        softmax_forward(gpu, to_device(x, true), got_mis);
-        expect_close(got_mis, want, tol, "misaligned forward " + what);
-        if (choice.tuning.group == 0 && choice.tuning.softmax_forward == 0) {
-          Tensor y = random_tensor({rows, cols}, t, seed++, 0.0f, 1.0f), dy = random_tensor({rows, cols}, t, seed++);
-          Tensor dwant = Tensor::empty({rows, cols}, t);
-          softmax_backward(cpu, y, dy, dwant);
-          Tensor dgot = poisoned_device({rows, cols}, t);
-          softmax_backward(gpu, y.to(kCuda), dy.to(kCuda), dgot);
-          expect_close(dgot, dwant, tol, "backward " + what);
-        }
+  for_each_row_choice(choices, [&](const RowChoice& choice) {
+    for_each_row_shape([&](DType t, int64_t rows, int64_t cols) {
+      const std::string what = row_case_name(choice.name, t, rows, cols);
+      Tensor x = random_tensor({rows, cols}, t, seed++, -8.0f, 8.0f);
+      if (rows >= 6) {
+        x.set_item(1, -INFINITY);                                            // row 0: one masked entry
+        for (int64_t c = 0; c < cols; ++c) x.set_item(cols + c, -INFINITY);  // row 1: fully masked
+        x.set_item(2 * cols + cols / 2, NAN);                                // row 2: NaN
+        x.set_item(3 * cols + cols - 1, INFINITY);                           // row 3: +inf (NaN, as on the CPU)
+        for (int64_t c = 0; c < cols; ++c)                                   // row 4: large logits
+          x.set_item(4 * cols + c, 1000.0 * x.item(4 * cols + c));
       }
-    }
-  }
-  cuda::set_row_tuning({});
+      const double tol = row_tolerance(t);
+      Tensor want = Tensor::empty({rows, cols}, t);
+      softmax_forward(cpu, x, want);
+      Tensor got = poisoned_device({rows, cols}, t);
+      softmax_forward(gpu, x.to(kCuda), got);
+      expect_close_nan_exact(got, want, tol, "forward " + what);
+      // Misaligned rows take the previous kernels whatever the choice.
+      Tensor got_mis = poisoned_device({rows, cols}, t, true);
+      softmax_forward(gpu, to_device(x, true), got_mis);
+      expect_close_nan_exact(got_mis, want, tol, "misaligned forward " + what);
+      if (choice.tuning.group == 0 && choice.tuning.softmax_forward == 0) {
+        Tensor y = random_tensor({rows, cols}, t, seed++, 0.0f, 1.0f), dy = random_tensor({rows, cols}, t, seed++);
+        Tensor dwant = Tensor::empty({rows, cols}, t);
+        softmax_backward(cpu, y, dy, dwant);
+        Tensor dgot = poisoned_device({rows, cols}, t);
+        softmax_backward(gpu, y.to(kCuda), dy.to(kCuda), dgot);
+        expect_close_nan_exact(dgot, dwant, tol, "backward " + what);
+      }
+    });
+  });
 #endif
 }
 
