@@ -146,4 +146,32 @@ __device__ __forceinline__ uint32_t bt_addr(uint32_t base, int row0, int kc, int
   return base + tile_offset<D>(row0 + (lane & 7) + (((lane >> 3) & 1) << 3), kc * 2 + (lane >> 4));
 }
 
+// The forward's epilogue, shared by every tile shape: each thread's two rows of each 16-row
+// slice normalised by their row sums (summed over the 4 lanes of a row) into out [B, T, Hq, D]
+// as BF16, and lse = (m + log2(sum)) ln 2 (m is the row max in the log2 domain). Rows past T
+// are not written.
+template <int D, int MT>
+__device__ __forceinline__ void store_out_and_lse(bf16_t* out, float* lse, const float (&o)[MT][D / 8][4],
+                                                  const float (&l)[MT][2], const float (&m)[MT][2], int row_base,
+                                                  int b, int h, int bh, int T, int64_t q_stride, int lane) {
+  const int col0 = 2 * (lane & 3);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = l[mt][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int row = row_base + 16 * mt + 8 * r;
+      if (row >= T) continue;
+      const float inv = 1.0f / sum;
+      bf16_t* dst = out + (static_cast<int64_t>(b) * T + row) * q_stride + static_cast<int64_t>(h) * D + col0;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+        *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack_bf16(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+      if ((lane & 3) == 0) lse[static_cast<int64_t>(bh) * T + row] = (m[mt][r] + log2f(sum)) * kLn2;
+    }
+  }
+}
+
 }  // namespace tessera::cuda::attn

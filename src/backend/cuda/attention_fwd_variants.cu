@@ -278,24 +278,7 @@ __global__ void __launch_bounds__(Warps * 32, MinBlocks) attention_fwd_variant_k
     }
   }
 
-  const int col0 = 2 * (lane & 3);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = l[mt][r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int row = row_base + 16 * mt + 8 * r;
-      if (row >= T) continue;
-      const float inv = 1.0f / sum;
-      bf16_t* dst = p.out + (static_cast<int64_t>(b) * T + row) * q_stride + static_cast<int64_t>(h) * D + col0;
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt)
-        *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack_bf16(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-      if ((lane & 3) == 0) p.lse[static_cast<int64_t>(bh) * T + row] = (m[mt][r] + log2f(sum)) * kLn2;
-    }
-  }
+  store_out_and_lse<D, MT>(p.out, p.lse, o, l, m, row_base, b, h, bh, T, q_stride, lane);
 }
 
 template <int D, int MT, int Warps, int Keys, int Sub, int Stages, int QRegMode, int MinBlocks>
