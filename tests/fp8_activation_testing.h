@@ -64,6 +64,22 @@ inline void expect_same_bytes(const Tensor& got, const Tensor& want, const std::
 
 inline float item(const Tensor& t) { return host(t).data<float>()[0]; }
 
+// An activation input in [-6, 6] (E4M3 saturates at the scales the tests use), with NaN, +-Inf,
+// +-0 and 1000 planted when `specials`.
+inline Tensor activation_input(const Shape& shape, DType t, uint64_t seed, bool specials) {
+  Tensor x = random_tensor(shape, t, seed, -6.0f, 6.0f);
+  if (specials && x.numel() > 0) {
+    const float values[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1000.0f};
+    for (int k = 0; k < 6; ++k) x.set_item((int64_t(k) * 7919) % x.numel(), values[k]);
+  }
+  return x;
+}
+
+// A kernel test's shape: rows x f (f the activation's output width).
+struct ActivationCase {
+  int64_t rows, f;
+};
+
 // Parameters made on the CPU from a seed: norm weights near 1, others small; gradients random
 // (they accumulate, so the check covers accumulation too).
 inline void randomize(nn::ParameterList& params, uint64_t seed) {

@@ -37,17 +37,10 @@ using namespace tessera::testing;
 namespace {
 
 Tensor gelu_input(int64_t rows, int64_t f, uint64_t seed, bool specials) {
-  Tensor x = random_tensor({rows, f}, DType::BF16, seed, -6.0f, 6.0f);
-  if (specials && x.numel() > 0) {
-    const float values[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1000.0f};
-    for (int k = 0; k < 6; ++k) x.set_item((int64_t(k) * 7919) % x.numel(), values[k]);
-  }
-  return x;
+  return activation_input({rows, f}, DType::BF16, seed, specials);
 }
 
-struct Case {
-  int64_t rows, f;
-};
+using Case = ActivationCase;
 
 const std::vector<Case> kCases{{64, 128}, {128, 256}, {72, 200}, {8, 8}, {136, 1032}, {512, 3072},
                                {5, 3},    {12, 16},   {16, 12},  {0, 16}, {16, 0}};

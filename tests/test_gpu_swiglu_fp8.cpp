@@ -31,20 +31,12 @@ using namespace tessera::testing;
 
 namespace {
 
-// x [rows, 2F] BF16 in [-6, 6] (E4M3 saturates at the scales used), NaN / Inf planted when
-// `specials`.
+// x [rows, 2F] (gate and up halves).
 Tensor swiglu_input(int64_t rows, int64_t f, DType t, uint64_t seed, bool specials) {
-  Tensor x = random_tensor({rows, 2 * f}, t, seed, -6.0f, 6.0f);
-  if (specials && x.numel() > 0) {
-    const float values[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1000.0f};
-    for (int k = 0; k < 6; ++k) x.set_item((int64_t(k) * 7919) % x.numel(), values[k]);
-  }
-  return x;
+  return activation_input({rows, 2 * f}, t, seed, specials);
 }
 
-struct Case {
-  int64_t rows, f;
-};
+using Case = ActivationCase;
 
 // Tile-aligned, ragged tiles (rows % 64, F % 128), the smallest vector shape, and shapes the
 // kernels refuse (the op composes the unfused ops there).
