@@ -219,6 +219,16 @@ void dispatch_flags(bool e4m3, bool amax, bool bias, Fn&& fn) {
 
 }  // namespace
 
+void add_column_partials(void* stream, const double* partial, int64_t chunks, int64_t cols, float* dbias,
+                         const char* op) {
+  const int64_t blocks = ceil_div(cols, 32);
+  TESSERA_CHECK(blocks <= 0x7fffffff, op, ": ", cols, " columns exceed one grid");
+  add_column_partials_kernel<<<unsigned(blocks), dim3(32, 8), 0, static_cast<cudaStream_t>(stream)>>>(
+      partial, chunks, cols, dbias);
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
+
+
 bool cast_transpose_supported(DType x) { return x == DType::F32 || x == DType::BF16; }
 
 void cast_transpose(void* stream, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax_out,
@@ -261,12 +271,7 @@ void cast_transpose(void* stream, const Tensor& x, const Tensor& scale, Tensor& 
         }
       });
       TESSERA_CUDA_CHECK_LAUNCH();
-      if (bias) {
-        const int64_t blocks = ceil_div(cols, 32);
-        TESSERA_CHECK(blocks <= 0x7fffffff, "cast_transpose: ", cols, " columns exceed one grid");
-        add_column_partials_kernel<<<unsigned(blocks), dim3(32, 8), 0, s>>>(partial_ptr, chunks, cols,
-                                                                            dbias->data<float>());
-      }
+      if (bias) add_column_partials(s, partial_ptr, chunks, cols, dbias->data<float>(), "cast_transpose");
     };
     if (x.dtype() == DType::F32) run(static_cast<float*>(nullptr));
     else run(static_cast<uint16_t*>(nullptr));

@@ -22,4 +22,10 @@ bool cast_transpose_supported(DType x);
 void cast_transpose(void* stream, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax_out,
                     Tensor* dbias = nullptr);
 
+// The bias gradient's second step, shared with gelu_fp8.cu's fused backward: dbias[c] +=
+// sum over k < chunks of partial[k * cols + c] (F64 per-tile column partials, added in a fixed
+// order, rounded once to F32). partial and dbias on the device of `stream`.
+void add_column_partials(void* stream, const double* partial, int64_t chunks, int64_t cols, float* dbias,
+                         const char* op);
+
 }  // namespace tessera::cuda

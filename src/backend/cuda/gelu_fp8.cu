@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "cast_transpose.h"
 #include "code_tile.cuh"
 #include "cuda_backend.h"
 #include "cuda_check.h"
@@ -168,23 +169,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   if constexpr (kAmax) fp8cvt::block_atomic_max(m, amax_bits);
 }
 
-// dbias[c] += the tile rows' partials of column c, in cast_transpose.cu's order.
-__global__ void __launch_bounds__(256)
-    gelu_add_column_partials_kernel(const double* partial, int64_t chunks, int64_t cols, float* dbias) {
-  __shared__ double sums[8][32];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t c = int64_t(blockIdx.x) * 32 + tx;
-  double s = 0;
-  if (c < cols)
-    for (int64_t k = ty; k < chunks; k += 8) s += partial[k * cols + c];
-  sums[ty][tx] = s;
-  __syncthreads();
-  if (ty != 0 || c >= cols) return;
-  double total = sums[0][tx];
-  for (int g = 1; g < 8; ++g) total += sums[g][tx];
-  dbias[c] = static_cast<float>(static_cast<double>(dbias[c]) + total);
-}
-
 // amax of the values above, nothing else written: grid-stride over 8-element vectors.
 template <bool kBackward>
 __global__ void __launch_bounds__(kThreads)
@@ -255,13 +239,7 @@ void launch_cast_transpose(void* stream, const Tensor& x, const Tensor* dy, cons
     else with_bias(std::false_type{}, std::false_type{});
   }
   TESSERA_CUDA_CHECK_LAUNCH();
-  if (bias) {
-    const int64_t blocks = ceil_div(cols, 32);
-    TESSERA_CHECK(blocks <= 0x7fffffff, "gelu_backward_cast_transpose: ", cols, " columns exceed one grid");
-    gelu_add_column_partials_kernel<<<unsigned(blocks), dim3(32, 8), 0, s>>>(partial_ptr, chunks, cols,
-                                                                             dbias->data<float>());
-    TESSERA_CUDA_CHECK_LAUNCH();
-  }
+  if (bias) add_column_partials(s, partial_ptr, chunks, cols, dbias->data<float>(), "gelu_backward_cast_transpose");
 }
 
 template <bool kBackward>
