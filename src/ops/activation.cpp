@@ -139,13 +139,9 @@ fp8::QuantizedTensor swiglu_fp8(Context& ctx, const Tensor& x, const Tensor* dy,
                                 Tensor* amax_out, const char* op) {
   check_fused_inputs(ctx, x, dy, op);
   TESSERA_CHECK(fp8 == DType::E4M3 || fp8 == DType::E5M2, op, ": fp8 must be E4M3 or E5M2, got ", dtype_name(fp8));
-  check_defined(scale, op, "scale");
-  check_dtype(scale, DType::F32, op, "scale");
-  check_shape(scale, {1}, op, "scale");
+  check_f32_scalar(scale, op, "scale");
   if (amax_out) {
-    check_defined(*amax_out, op, "amax_out");
-    check_dtype(*amax_out, DType::F32, op, "amax_out");
-    check_shape(*amax_out, {1}, op, "amax_out");
+    check_f32_scalar(*amax_out, op, "amax_out");
     TESSERA_CHECK(amax_out->raw_data() != scale.raw_data(), op, ": amax_out must not be the scale tensor");
   }
   if (ctx.device.is_cuda()) {
@@ -174,9 +170,7 @@ fp8::QuantizedTensor swiglu_fp8(Context& ctx, const Tensor& x, const Tensor* dy,
 
 void swiglu_amax_op(Context& ctx, const Tensor& x, const Tensor* dy, Tensor& amax_out, const char* op) {
   check_fused_inputs(ctx, x, dy, op);
-  check_defined(amax_out, op, "amax_out");
-  check_dtype(amax_out, DType::F32, op, "amax_out");
-  check_shape(amax_out, {1}, op, "amax_out");
+  check_f32_scalar(amax_out, op, "amax_out");
   check_on_device(ctx, op, {&amax_out});
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA

@@ -18,6 +18,13 @@ inline void check_on_device(const Context& ctx, const char* op, std::initializer
   }
 }
 
+// A defined F32 tensor of shape [1]: an FP8 scale or amax.
+inline void check_f32_scalar(const Tensor& t, const char* op, const char* name) {
+  check_defined(t, op, name);
+  check_dtype(t, DType::F32, op, name);
+  check_shape(t, {1}, op, name);
+}
+
 // Bytes from a view's first element to just past its last, strides included.
 inline int64_t span_bytes(const Tensor& t) { return t.span_elements() * static_cast<int64_t>(dtype_size(t.dtype())); }
 
