@@ -40,26 +40,13 @@ namespace tessera::cuda::xent {
 
 namespace {
 
+using warprow::group_reduce;
+
 using vec::kWidth;
 
 constexpr int kLseMaxGroup = 512;    // the register forward kernel: threads per row ...
 constexpr int kLseMaxVectors = 4;    // ... and F32 vectors per thread (rows up to 16384 logits;
                                      // BF16, packed: 8, rows up to 32768)
-
-// Reduces v over the blockDim.x threads of a row group; every thread of the group gets the
-// same bits. Up to a warp: xor butterfly; several warps (the group is then the whole block):
-// warp results through `shared`, combined in warp order.
-template <typename Op>
-__device__ __forceinline__ float group_reduce(float v, float* shared, Op op) {
-  const int width = blockDim.x < 32 ? blockDim.x : 32;
-  for (int offset = width / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  if (blockDim.x <= 32) return v;
-  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float r = shared[0];
-  for (int w = 1; w < int(blockDim.x >> 5); ++w) r = op(r, shared[w]);
-  return r;
-}
 
 // Rows of vocab % 8 == 0 logits, 16-byte aligned, held in registers as loaded (BF16
 // packed, half the registers of floats: more rows in flight per SM): NV vectors per thread

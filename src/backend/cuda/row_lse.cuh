@@ -26,6 +26,23 @@
 namespace tessera::cuda::warprow {
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+// The row-group kernels' reduction (softmax.cu, loss_rows.cu): reduces v over the blockDim.x
+// threads of a row group; every thread of the group gets the same bits. Up to a warp: xor butterfly. Several warps (then the group is the whole block):
+// warp results through `shared` (one array per call site: no reuse, no trailing barrier),
+// combined in warp order.
+template <typename Op>
+__device__ __forceinline__ float group_reduce(float v, float* shared, Op op) {
+  const int width = blockDim.x < 32 ? blockDim.x : 32;
+  for (int offset = width / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  if (blockDim.x <= 32) return v;
+  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = shared[0];
+  for (int w = 1; w < int(blockDim.x >> 5); ++w) r = op(r, shared[w]);
+  return r;
+}
+
 constexpr int kThreads = 128;     // block size of the warp-row kernels
 constexpr int kMaxDataRegs = 64;  // registers of row data per thread (16 BF16 / 8 F32 vectors)
 

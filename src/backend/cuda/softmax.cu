@@ -44,6 +44,8 @@ namespace tessera::cuda {
 
 namespace {
 
+using warprow::group_reduce;
+
 constexpr int kLoopThreads = 256;   // the looping kernel's block
 constexpr int kMaxGroup = 1024;     // threads per row in the register kernels
 constexpr int kMaxVectors = 8;      // units per thread in the register kernels
@@ -74,22 +76,6 @@ struct Max {
 struct Sum {
   __device__ float operator()(float a, float b) const { return a + b; }
 };
-
-// Reduces v over the blockDim.x threads of a row group; every thread of the group gets the
-// same bits. Up to a warp: xor butterfly. Several warps (then the group is the whole block):
-// warp results through `shared` (one array per call site: no reuse, no trailing barrier),
-// combined in warp order.
-template <typename Op>
-__device__ __forceinline__ float group_reduce(float v, float* shared, Op op) {
-  const int width = blockDim.x < 32 ? blockDim.x : 32;
-  for (int offset = width / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  if (blockDim.x <= 32) return v;
-  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float r = shared[0];
-  for (int w = 1; w < int(blockDim.x >> 5); ++w) r = op(r, shared[w]);
-  return r;
-}
 
 // ---- Register kernels: NV units of VEC elements per thread --------------------------------
 //
