@@ -1,5 +1,5 @@
 // Warp-row building blocks shared by the softmax forward (softmax.cu) and the cross-entropy
-// forward (loss.cu): a row of `cols` elements (cols % 8 == 0, row start 16-byte aligned) held
+// forward (loss_rows.cu): a row of `cols` elements (cols % 8 == 0, row start 16-byte aligned) held
 // in registers as loaded (vec::Packed8: BF16 two to a register) by G lanes of one warp
 // (G = 4, 8, 16 or 32; 32 / G rows per warp, 128-thread blocks), and its log-sum-exp.
 //
