@@ -17,6 +17,7 @@
 #include <string>
 
 #include "fp8_activation_testing.h"
+#include "model_testing.h"
 #include "gpu_testing.h"
 #include "tessera/fp8/quantized_tensor.h"
 #include "tessera/models/fp8_model.h"
@@ -173,48 +174,11 @@ TEST(GpuGeluFp8, MlpFusedEqualsUnfusedBitForBit) {
 // the same losses and weights after three optimizer steps, bit for bit.
 TEST(GpuGeluFp8, Gpt2FusedEqualsUnfusedBitForBit) {
   REQUIRE_GPU();
-  FusedFp8ActivationSwitch restore;
   Context gpu = Context::cuda();
-  models::ModelConfig c;
-  c.architecture = "gpt2";
-  c.vocab_size = 64;
-  c.hidden_size = 64;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 2;
-  c.intermediate_size = 256;
-  c.max_seq_len = 32;
-  const int64_t batch = 2, seq = 32;
-  Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
-  for (int64_t i = 0; i < batch * seq; ++i) {
-    inputs.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % c.vocab_size);
-    targets.data<int32_t>()[i] = static_cast<int32_t>((3 * inputs.data<int32_t>()[i] + 1) % c.vocab_size);
-  }
+  const auto [inputs, targets] = cyclic_tokens(2, 32, 64);
   const Tensor in_gpu = inputs.to(kCuda), tg_gpu = targets.to(kCuda);
   for (const char* recipe : {"current", "delayed"}) {
     SCOPED_TRACE(recipe);
-    std::vector<double> losses[2];
-    std::vector<std::vector<uint8_t>> weights[2];
-    for (int k = 0; k < 2; ++k) {
-      nn::MLP::set_fused_fp8_activation(k == 0);
-      models::TransformerLM model(c, DType::BF16);
-      model.to(kCuda);
-      model.init(gpu, 5);
-      auto scaling = models::enable_fp8(gpu, model, recipe_named(recipe));
-      train::OptimizerConfig oc;
-      oc.lr = 1e-2;
-      train::Optimizer optimizer(model.parameters(), oc);
-      for (int step = 0; step < 3; ++step) {
-        model.zero_grad();
-        losses[k].push_back(model.forward_backward(gpu, in_gpu, tg_gpu));
-        scaling->end_micro_batch(gpu);
-        optimizer.step(gpu, oc.lr);
-        scaling->end_step(gpu);
-      }
-      for (nn::Parameter* p : model.parameters()) weights[k].push_back(bytes_of(p->weights()));
-    }
-    EXPECT_EQ(losses[0], losses[1]);
-    ASSERT_EQ(weights[0].size(), weights[1].size());
-    for (size_t i = 0; i < weights[0].size(); ++i) EXPECT_EQ(weights[0][i], weights[1][i]) << "parameter " << i;
+    expect_fused_fp8_activation_training_identical(gpu, tiny_gpt2_config(64, 256, 32), recipe, in_gpu, tg_gpu);
   }
 }
