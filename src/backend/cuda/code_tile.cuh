@@ -15,6 +15,11 @@ namespace tessera::cuda::code_tile {
 
 constexpr int kRows = 64, kCols = 128, kWords = kCols / 4;
 constexpr int kThreads = 256;  // store_transposed maps one thread to each 8 x 4 block
+// The activation -> FP8 kernels (gelu_fp8.cu, swiglu_fp8.cu) read a tile's BF16 rows as
+// 16-byte vectors: 8 elements each, 16 to a row, 4 per thread per tile.
+constexpr int kVec = 8;
+constexpr int kVecPerRow = kCols / kVec;
+constexpr int kUnits = kRows * kVecPerRow / kThreads;
 
 // The physical word of (row, word) in the shared tile: rows in group g = (row / 8) % 8 have
 // their word columns permuted by XOR with 4g (pairs of words stay adjacent).

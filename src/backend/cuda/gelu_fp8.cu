@@ -55,9 +55,7 @@ constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 2;
 constexpr int kTileRows = code_tile::kRows, kTileCols = code_tile::kCols, kTileWords = code_tile::kWords;
 static_assert(kThreads == code_tile::kThreads, "the transposed store maps 256 threads");
-constexpr int kVec = 8;                                    // BF16 elements per 16-byte load
-constexpr int kVecPerRow = kTileCols / kVec;               // 16
-constexpr int kUnits = kTileRows * kVecPerRow / kThreads;  // 4 vectors per thread per tile
+using code_tile::kUnits, code_tile::kVec, code_tile::kVecPerRow;
 constexpr int kGroups = kThreads / kVecPerRow;             // row groups of a tile's column sums
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;

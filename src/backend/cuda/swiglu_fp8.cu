@@ -59,9 +59,7 @@ constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 2;
 constexpr int kTileRows = code_tile::kRows, kTileCols = code_tile::kCols, kTileWords = code_tile::kWords;
 static_assert(kThreads == code_tile::kThreads, "the transposed store maps 256 threads");
-constexpr int kVec = 8;                                  // BF16 elements per 16-byte load
-constexpr int kVecPerRow = kTileCols / kVec;             // 16
-constexpr int kUnits = kTileRows * kVecPerRow / kThreads;  // 4 vectors per thread per tile
+using code_tile::kUnits, code_tile::kVec, code_tile::kVecPerRow;
 
 // elementwise.cu's BF16 sigmoid (hardware exponential), and its SwiGLU expressions written
 // the same way so that the compiler forms the same operations.
