@@ -332,16 +332,16 @@ void moe_swiglu_scaled_backward(Context& ctx, const Tensor& x, const Tensor& sca
 // and on one stream they run one after another. Same calls, so the same bits.
 namespace {
 
-// 1 until the side-stream path has been measured on a GPU (it compiles and keeps the same
-// bits by construction; see docs/ops/moe.md).
+// 1: on the H200 four side streams measured no faster than one (bench_moe, Mixtral's expert
+// MLP; bench/RESULTS.md), so the default keeps every GEMM on the context's stream.
 int g_grouped_gemm_streams = 1;
 
 // fn(expert_ctx, e, first_row) for every expert with rows, in expert order.
 template <typename Fn>
 void for_each_expert(Context& ctx, const std::vector<int64_t>& splits, Fn&& fn) {
+#if TESSERA_WITH_CUDA
   int with_rows = 0;
   for (int64_t s : splits) with_rows += s > 0;
-#if TESSERA_WITH_CUDA
   if (ctx.device.is_cuda() && g_grouped_gemm_streams > 1 && with_rows > 1) {
     cuda::StreamFan fan(ctx.stream, ctx.device.index);
     int64_t row = 0;

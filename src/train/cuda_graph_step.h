@@ -96,8 +96,8 @@ class CudaGraphStep {
   Result finish(bool replayed);
 
   Context ctx_;
-  models::TransformerLM& model_;
-  Optimizer& optimizer_;
+  [[maybe_unused]] models::TransformerLM& model_;  // used by the CUDA build only
+  [[maybe_unused]] Optimizer& optimizer_;
   Options options_;
   std::shared_ptr<nn::Fp8Scaling> fp8_;  // the model's FP8 scaling (models::fp8_scaling_of), or null
   std::unique_ptr<Impl> impl_;
