@@ -53,10 +53,11 @@ inline void expect_identical_runs(const std::vector<std::vector<double>>& losses
   for (size_t i = 0; i < finals[0].size(); ++i) EXPECT_TRUE(same_bits(finals[0][i], finals[1][i])) << "tensor " << i;
 }
 
-// A tiny GPT-2 (biases, GELU, tied head) of two layers.
-inline models::ModelConfig tiny_gpt2_config(int64_t hidden, int64_t ffn, int64_t seq) {
+// A tiny model of `arch` ("gpt2": biases, GELU; "llama": RMSNorm, SwiGLU) of two layers,
+// two heads and a vocabulary of 64.
+inline models::ModelConfig tiny_model_config(const std::string& arch, int64_t hidden, int64_t ffn, int64_t seq) {
   models::ModelConfig c;
-  c.architecture = "gpt2";
+  c.architecture = arch;
   c.vocab_size = 64;
   c.hidden_size = hidden;
   c.num_layers = 2;

@@ -233,21 +233,9 @@ TEST(Fp8Model, SmallModelsTrainLikeBf16) {
   // Each architecture with one recipe, to keep the test short (the layer tests cover both).
   for (const auto& [arch, recipe] : {std::pair{"gpt2", "delayed"}, std::pair{"llama", "current"}}) {
     {
-      models::ModelConfig c;
-      c.architecture = arch;
-      c.vocab_size = 64;
-      c.hidden_size = 32;
-      c.num_layers = 2;
-      c.num_heads = 2;
-      c.num_kv_heads = 2;
-      c.intermediate_size = 64;
-      c.max_seq_len = 16;
+      const models::ModelConfig c = tiny_model_config(arch, 32, 64, 16);
       const int64_t batch = 2, seq = 16;
-      Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
-      for (int64_t i = 0; i < batch * seq; ++i) {  // a learnable pattern: next = (3 * current + 1) mod V
-        inputs.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % c.vocab_size);
-        targets.data<int32_t>()[i] = static_cast<int32_t>((3 * inputs.data<int32_t>()[i] + 1) % c.vocab_size);
-      }
+      const auto [inputs, targets] = cyclic_tokens(batch, seq, c.vocab_size);  // next = (3 * current + 1) mod V
       std::vector<double> final_loss;
       for (const bool use_fp8 : {false, true}) {
         models::TransformerLM model(c, DType::BF16);
@@ -283,6 +271,6 @@ TEST(Fp8Model, Gpt2FusedActivationCastsMatchTheUnfusedPath) {
   const auto [inputs, targets] = cyclic_tokens(2, 16, 64);
   for (const char* recipe : {"current", "delayed"}) {
     SCOPED_TRACE(recipe);
-    expect_fused_fp8_activation_training_identical(ctx, tiny_gpt2_config(32, 64, 16), recipe, inputs, targets);
+    expect_fused_fp8_activation_training_identical(ctx, tiny_model_config("gpt2", 32, 64, 16), recipe, inputs, targets);
   }
 }

@@ -85,15 +85,7 @@ TEST(Fp8WeightTranspose, ModelStepsAreBitIdentical) {
   for (const char* arch : {"gpt2", "llama"}) {
     for (const char* recipe : kRecipes) {
       SCOPED_TRACE(std::string(arch) + " " + recipe);
-      models::ModelConfig c;
-      c.architecture = arch;
-      c.vocab_size = 64;
-      c.hidden_size = 32;
-      c.num_layers = 2;
-      c.num_heads = 2;
-      c.num_kv_heads = 2;
-      c.intermediate_size = 64;
-      c.max_seq_len = 16;
+      const models::ModelConfig c = tiny_model_config(arch, 32, 64, 16);
       const int64_t batch = 2, seq = 16;
       std::vector<std::vector<double>> losses;
       std::vector<std::vector<Tensor>> finals;

@@ -179,6 +179,6 @@ TEST(GpuGeluFp8, Gpt2FusedEqualsUnfusedBitForBit) {
   const Tensor in_gpu = inputs.to(kCuda), tg_gpu = targets.to(kCuda);
   for (const char* recipe : {"current", "delayed"}) {
     SCOPED_TRACE(recipe);
-    expect_fused_fp8_activation_training_identical(gpu, tiny_gpt2_config(64, 256, 32), recipe, in_gpu, tg_gpu);
+    expect_fused_fp8_activation_training_identical(gpu, tiny_model_config("gpt2", 64, 256, 32), recipe, in_gpu, tg_gpu);
   }
 }
