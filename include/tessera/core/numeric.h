@@ -43,11 +43,55 @@ TESSERA_HD float bits_float(uint32_t u) {
 
 // ---- BF16: the upper half of an FP32 ----------------------------------------------------
 
-TESSERA_HD uint16_t float_to_bf16_bits(float x) {
+// The portable rounding, the reference for every backend.
+TESSERA_HD uint16_t float_to_bf16_bits_portable(float x) {
   uint32_t u = float_bits(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even; overflow carries into infinity
   return static_cast<uint16_t>(u >> 16);
+}
+
+// On sm_80+ the hardware conversion (cvt.rn: nearest even, overflow to infinity, subnormals
+// kept) replaces the portable form's ~7 integer instructions a value: the same bits for every
+// non-NaN input; a NaN is re-encoded the portable way (sign and payload kept, quieted)
+// instead of the hardware's canonical NaN, so both backends agree bit for bit.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define TESSERA_HW_BF16 1
+#endif
+
+TESSERA_HD uint16_t float_to_bf16_bits(float x) {
+#if defined(TESSERA_HW_BF16)
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return x != x ? static_cast<uint16_t>((float_bits(x) >> 16) | 0x0040u) : r;
+#else
+  return float_to_bf16_bits_portable(x);
+#endif
+}
+
+// v[0..N) (N even) as N / 2 BF16 pairs, element 2k in the low half of w[k] (little-endian
+// storage order), each as float_to_bf16_bits gives it. On the GPU: one conversion
+// instruction a pair and a single NaN test (one branch) for all N, the portable code only
+// when a NaN is present.
+template <int N>
+TESSERA_HD void floats_to_bf16_pairs(const float* v, uint32_t* w) {
+  static_assert(N % 2 == 0, "pairs");
+#if defined(TESSERA_HW_BF16)
+  uint32_t nan = 0;
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(v[2 * k + 1]), "f"(v[2 * k]));  // 1st -> upper half
+    uint32_t n;  // setp.nan tests both operands: one instruction a pair (x != x takes one a value)
+    asm("{ .reg .pred p; setp.nan.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(n)
+        : "f"(v[2 * k]), "f"(v[2 * k + 1]));
+    nan |= n;
+  }
+  if (nan == 0) return;
+#endif
+  for (int k = 0; k < N / 2; ++k)
+    w[k] = static_cast<uint32_t>(float_to_bf16_bits_portable(v[2 * k])) |
+           (static_cast<uint32_t>(float_to_bf16_bits_portable(v[2 * k + 1])) << 16);
 }
 
 TESSERA_HD float bf16_bits_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }

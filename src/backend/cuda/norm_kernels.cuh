@@ -33,7 +33,8 @@
 // add_layernorm / add_rmsnorm fwd 77 / 94 before (see add_norm.cu). Below the 85% goal:
 // the LayerNorm kernels (two row reductions forward, FP64 shuffles on the critical path) and
 // the backward (128 registers a thread for the row plus the dgamma/dbeta partials: 16 warps
-// per SM), see bench/RESULTS.md.
+// per SM), see bench/RESULTS.md. Changed since, not measured yet: BF16 stores through the
+// hardware conversion and the parameter dtype fixed per row (fewer instructions, same bits).
 //
 // Output sinks: the forward kernels hand each computed vector of y (in float, before the
 // rounding to the storage type) to a sink, a template parameter: StoreY stores it in x's
@@ -142,9 +143,7 @@ __device__ __forceinline__ void store_vec(T* p, const float* v) {
     *p = float_to_bf16_bits(v[0]);
   } else {
     uint32_t w[N / 2];
-#pragma unroll
-    for (int k = 0; k < N / 2; ++k)
-      w[k] = uint32_t(float_to_bf16_bits(v[2 * k])) | (uint32_t(float_to_bf16_bits(v[2 * k + 1])) << 16);
+    floats_to_bf16_pairs<N>(v, w);
     store_words<2 * N>(p, w);
   }
 }
@@ -188,16 +187,42 @@ __device__ __forceinline__ void load_param(const Param& p, int64_t i, float* v) 
   else load_vec<float, N>(static_cast<const float*>(p.ptr) + i, v);
 }
 
+// How a kernel's inner loops read the parameters: kParamAny through the run-time flags, or,
+// when every parameter read is defined and of one dtype, with that dtype fixed at compile
+// time. The flag test costs little itself, but the loads and conversions of both dtypes are
+// issued (one predicated off) for every vector; a kernel picks the kind once (uniform
+// branch) and runs its row loop specialized for it.
+constexpr int kParamAny = 0, kParamF32 = 1, kParamBF16 = 2;
+
+template <int kKind, int N>
+__device__ __forceinline__ void load_param_as(const Param& p, int64_t i, float* v) {
+  if constexpr (kKind == kParamBF16) load_vec<uint16_t, N>(static_cast<const uint16_t*>(p.ptr) + i, v);
+  else if constexpr (kKind == kParamF32) load_vec<float, N>(static_cast<const float*>(p.ptr) + i, v);
+  else load_param<N>(p, i, v);
+}
+
+// fn(Int<kind>) for gamma and, with kUsesBeta (LayerNorm's forward), beta; a missing beta
+// (its + 0) or one of another dtype than gamma keeps the flag path, and so does every call
+// with kSpecialize = false: a fixed kind lets nvcc hoist the parameter loads of all of a
+// thread's vectors, which costs registers (the warp-row forward at 8 and 16 vectors a lane
+// went from 77 and 128 to 128 and 214).
+template <bool kUsesBeta, bool kSpecialize = true, typename Fn>
+__device__ __forceinline__ void with_param_kind(const Param& gamma, const Param& beta, Fn&& fn) {
+  if (!kSpecialize || (kUsesBeta && (!beta.ptr || beta.bf16 != gamma.bf16))) fn(Int<kParamAny>{});
+  else if (gamma.bf16) fn(Int<kParamBF16>{});
+  else fn(Int<kParamF32>{});
+}
+
 // The normalized values of VEC columns from c: (x - mean) * rstd * gamma + beta for LayerNorm
 // (no beta: + 0), x * rstd * gamma for RMSNorm, with the reference's operations in its order,
 // each rounded (no fused multiply-add), so every kernel family gives the same y from the same
-// statistics.
-template <int VEC, bool kLayer>
+// statistics. kKind: see with_param_kind (a fixed kind implies LayerNorm's beta is there).
+template <int VEC, bool kLayer, int kKind = kParamAny>
 __device__ __forceinline__ void normalize_vec(const float* v, float mu, float rstd, const Param& gamma,
                                               const Param& beta, int64_t c, float* out) {
   float g[VEC], b[VEC];
-  load_param<VEC>(gamma, c, g);
-  if (kLayer && beta.ptr) load_param<VEC>(beta, c, b);
+  load_param_as<kKind, VEC>(gamma, c, g);
+  if (kLayer && (kKind != kParamAny || beta.ptr)) load_param_as<kKind, VEC>(beta, c, b);
   else
 #pragma unroll
     for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
@@ -212,6 +237,35 @@ template <typename T>
 __device__ __forceinline__ float round_to_storage(float v) {
   if constexpr (std::is_same_v<T, float>) return v;
   else return bf16_bits_to_float(float_to_bf16_bits(v));
+}
+
+// round_to_storage of N consecutive values in place (BF16: one conversion a pair).
+template <typename T, int N>
+__device__ __forceinline__ void round_vec_to_storage(float* v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return;
+  } else if constexpr (N == 1) {
+    v[0] = round_to_storage<T>(v[0]);
+  } else {
+    uint32_t w[N / 2];
+    floats_to_bf16_pairs<N>(v, w);
+    unpack_raw<T, N>(w, v);
+  }
+}
+
+// store_vec, with v replaced by the values stored (what a load of p gives back): a single
+// conversion for the store and the rounded values.
+template <typename T, int N>
+__device__ __forceinline__ void store_vec_rounded(T* p, float* v) {
+  if constexpr (std::is_same_v<T, float> || N == 1) {
+    round_vec_to_storage<T, N>(v);
+    store_vec<T, N>(p, v);
+  } else {
+    uint32_t w[N / 2];
+    floats_to_bf16_pairs<N>(v, w);
+    store_words<2 * N>(p, w);
+    unpack_raw<T, N>(w, v);
+  }
 }
 
 // The plain ops' sink: y in the storage type T.
@@ -315,8 +369,8 @@ __global__ void __launch_bounds__(kMaxGroupThreads)
           float r[VEC];
           unpack_raw<T, VEC>(raw_r[j], r);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) v[j][k] = round_to_storage<T>(__fadd_rn(v[j][k], r[k]));
-          store_vec<T, VEC>(sum + base + c, v[j]);  // after this thread's reads of the same elements
+          for (int k = 0; k < VEC; ++k) v[j][k] = __fadd_rn(v[j][k], r[k]);
+          store_vec_rounded<T, VEC>(sum + base + c, v[j]);  // after this thread's reads of the same elements
         }
       } else {
 #pragma unroll
@@ -382,14 +436,16 @@ __global__ void __launch_bounds__(kMaxGroupThreads)
       if (kLayer) mean[row] = mu_t;
       rstd[row] = rstd_t;
     }
+    with_param_kind<kLayer>(gamma, beta, [&](auto kind) {
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
-      if (c >= cols) continue;
-      float out[VEC];
-      normalize_vec<VEC, kLayer>(v[j], mu_t, rstd_t, gamma, beta, c, out);
-      sink.template store<VEC>(base + c, out);
-    }
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+        if (c >= cols) continue;
+        float out[VEC];
+        normalize_vec<VEC, kLayer, decltype(kind)::value>(v[j], mu_t, rstd_t, gamma, beta, c, out);
+        sink.template store<VEC>(base + c, out);
+      }
+    });
   }
   sink.finish();
 }
@@ -461,37 +517,40 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
     // F32 adds every term in double, as the reference; BF16 adds a unit's terms in float
     // first and converts once per unit (as the forward does).
     constexpr bool kUnitPartials = !std::is_same_v<T, float> && VEC > 1;
+    with_param_kind<false>(gamma, gamma, [&](auto kind) {
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
-      if (live && c < cols) {
-        float g[VEC], p0 = 0.0f, p1 = 0.0f;
-        load_param<VEC>(gamma, c, g);
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+        if (live && c < cols) {
+          float g[VEC];
+          [[maybe_unused]] float p0 = 0.0f, p1 = 0.0f;  // kUnitPartials only
+          load_param_as<decltype(kind)::value, VEC>(gamma, c, g);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float xh = kLayer ? __fmul_rn(__fsub_rn(xhat[j][k], mu), r) : __fmul_rn(xhat[j][k], r);
-          const float gk = __fmul_rn(d[j][k], g[k]);
-          if constexpr (kUnitPartials) {
-            if (kLayer) p0 += gk;
-            p1 = fmaf(gk, xh, p1);
-          } else {
-            if (kLayer) sums[0] = __dadd_rn(sums[0], double(gk));
-            sums[1] = fma(double(gk), double(xh), sums[1]);
+          for (int k = 0; k < VEC; ++k) {
+            const float xh = kLayer ? __fmul_rn(__fsub_rn(xhat[j][k], mu), r) : __fmul_rn(xhat[j][k], r);
+            const float gk = __fmul_rn(d[j][k], g[k]);
+            if constexpr (kUnitPartials) {
+              if (kLayer) p0 += gk;
+              p1 = fmaf(gk, xh, p1);
+            } else {
+              if (kLayer) sums[0] = __dadd_rn(sums[0], double(gk));
+              sums[1] = fma(double(gk), double(xh), sums[1]);
+            }
+            acc_g[j][k] = fmaf(d[j][k], xh, acc_g[j][k]);
+            acc_b[j][k] += d[j][k];
+            xhat[j][k] = xh;
+            gd[j][k] = gk;
           }
-          acc_g[j][k] = fmaf(d[j][k], xh, acc_g[j][k]);
-          acc_b[j][k] += d[j][k];
-          xhat[j][k] = xh;
-          gd[j][k] = gk;
-        }
-        if constexpr (kUnitPartials) {
-          if (kLayer) sums[0] = __dadd_rn(sums[0], double(p0));
-          sums[1] = __dadd_rn(sums[1], double(p1));
-        }
-      } else {
+          if constexpr (kUnitPartials) {
+            if (kLayer) sums[0] = __dadd_rn(sums[0], double(p0));
+            sums[1] = __dadd_rn(sums[1], double(p1));
+          }
+        } else {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) xhat[j][k] = gd[j][k] = 0.0f;
+          for (int k = 0; k < VEC; ++k) xhat[j][k] = gd[j][k] = 0.0f;
+        }
       }
-    }
+    });
     group_sum(sums, red[step & 1]);
     const float mean_g = float(sums[0] * inv_cols), mean_g_xhat = float(sums[1] * inv_cols);
     if (!live) continue;
@@ -509,8 +568,9 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
       if constexpr (kAdd) {
         float dr[VEC];
         load_vec<T, VEC>(d_residual + base + c, dr);
+        round_vec_to_storage<T, VEC>(out);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) out[k] = __fadd_rn(round_to_storage<T>(out[k]), dr[k]);
+        for (int k = 0; k < VEC; ++k) out[k] = __fadd_rn(out[k], dr[k]);
       }
       store_vec<T, VEC>(dx + base + c, out);
     }

@@ -41,6 +41,9 @@
 // 71% (59), add+LayerNorm 86% (71), RMSNorm 90% (82), add+RMSNorm 96% (82); backward at its
 // default LayerNorm 68% (67), with the residual 64% (64), RMSNorm 81% (81), with the residual
 // 71% (70): the backward is held by x, dy and the column partials all in registers.
+// Changed since, not measured yet: BF16 stores through the hardware conversion (one
+// instruction a pair, numeric.h) and the parameter dtype fixed per row (with_param_kind),
+// ~8 fewer instructions per element in the forward's row path (SASS); same bits.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -71,9 +74,7 @@ __device__ __forceinline__ uint4 pack16(const float* v) {
     return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
   } else {
     uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      w[k] = uint32_t(float_to_bf16_bits(v[2 * k])) | (uint32_t(float_to_bf16_bits(v[2 * k + 1])) << 16);
+    floats_to_bf16_pairs<8>(v, w);
     return make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
@@ -180,8 +181,8 @@ __global__ void __launch_bounds__(kWarpRowThreads)
         unpack16<T>(raw[j], a);
         unpack16<T>(res[j], b);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) a[k] = round_to_storage<T>(__fadd_rn(a[k], b[k]));
-        raw[j] = pack16<T>(a);
+        for (int k = 0; k < VEC; ++k) a[k] = __fadd_rn(a[k], b[k]);
+        raw[j] = pack16<T>(a);  // rounds to T: the later passes read the rounded sum
         *reinterpret_cast<uint4*>(sum + base + c) = raw[j];  // after this thread's reads of it
       }
     }
@@ -221,15 +222,20 @@ __global__ void __launch_bounds__(kWarpRowThreads)
       if (kLayer) mean[row] = mu;
       rstd[row] = r;
     }
+    // A fixed parameter dtype where it costs no occupancy (sm_90 registers: RMSNorm at 4
+    // vectors a lane would go from 48 to 64, one block an SM fewer).
+    with_param_kind<kLayer, (NV <= (kLayer ? 4 : 2))>(gamma, beta, [&](auto kind) {
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int c = warp_row_col(j, VEC);
-      if (c >= ncols) continue;
-      float v[VEC], out[VEC];
-      unpack16<T>(raw[j], v);
-      normalize_vec<VEC, kLayer>(v, mu, r, gamma, beta, c, out);  // y from the rounded statistics
-      sink.template store<VEC>(base + c, out);
-    }
+      for (int j = 0; j < NV; ++j) {
+        const int c = warp_row_col(j, VEC);
+        if (c >= ncols) continue;
+        float v[VEC], out[VEC];
+        unpack16<T>(raw[j], v);
+        // y from the rounded statistics
+        normalize_vec<VEC, kLayer, decltype(kind)::value>(v, mu, r, gamma, beta, c, out);
+        sink.template store<VEC>(base + c, out);
+      }
+    });
   }
   sink.finish();
 }
@@ -294,51 +300,56 @@ __global__ void __launch_bounds__(kWarpRowThreads, 2)
       mu = kLayer ? mean[row] : 0.0f, r = rstd[row];
     }
     float sums[2] = {0.0f, 0.0f};  // sum(g), sum(g * xhat), g = dy * gamma
+    with_param_kind<false>(gamma, gamma, [&](auto kind) {
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int c = warp_row_col(j, VEC);
-      if (c >= ncols) continue;
-      float xv[VEC], d[VEC], g[VEC], p0 = 0.0f, p1 = 0.0f;
-      unpack16<T>(raw_x[j], xv);
-      unpack16<T>(raw_dy[j], d);
-      load_param<VEC>(gamma, c, g);
+      for (int j = 0; j < NV; ++j) {
+        const int c = warp_row_col(j, VEC);
+        if (c >= ncols) continue;
+        float xv[VEC], d[VEC], g[VEC], p0 = 0.0f, p1 = 0.0f;
+        unpack16<T>(raw_x[j], xv);
+        unpack16<T>(raw_dy[j], d);
+        load_param_as<decltype(kind)::value, VEC>(gamma, c, g);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float xh = kLayer ? __fmul_rn(__fsub_rn(xv[k], mu), r) : __fmul_rn(xv[k], r);
-        const float gk = __fmul_rn(d[k], g[k]);
-        if (kLayer) p0 += gk;
-        p1 = fmaf(gk, xh, p1);
-        acc_g[j][k] = fmaf(d[k], xh, acc_g[j][k]);
-        if (kLayer) acc_b[j][k] += d[k];
+        for (int k = 0; k < VEC; ++k) {
+          const float xh = kLayer ? __fmul_rn(__fsub_rn(xv[k], mu), r) : __fmul_rn(xv[k], r);
+          const float gk = __fmul_rn(d[k], g[k]);
+          if (kLayer) p0 += gk;
+          p1 = fmaf(gk, xh, p1);
+          acc_g[j][k] = fmaf(d[k], xh, acc_g[j][k]);
+          if (kLayer) acc_b[j][k] += d[k];
+        }
+        sums[0] += p0;
+        sums[1] += p1;
       }
-      sums[0] += p0;
-      sums[1] += p1;
-    }
+    });
     warp_row_sum(sums, red[threadIdx.y], phase);
     const float mean_g = sums[0] * inv_cols, mean_g_xhat = sums[1] * inv_cols;
+    with_param_kind<false>(gamma, gamma, [&](auto kind) {
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int c = warp_row_col(j, VEC);
-      if (c >= ncols) continue;
-      float xv[VEC], d[VEC], g[VEC], out[VEC];
-      unpack16<T>(raw_x[j], xv);
-      unpack16<T>(raw_dy[j], d);
-      load_param<VEC>(gamma, c, g);
+      for (int j = 0; j < NV; ++j) {
+        const int c = warp_row_col(j, VEC);
+        if (c >= ncols) continue;
+        float xv[VEC], d[VEC], g[VEC], out[VEC];
+        unpack16<T>(raw_x[j], xv);
+        unpack16<T>(raw_dy[j], d);
+        load_param_as<decltype(kind)::value, VEC>(gamma, c, g);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float xh = kLayer ? __fmul_rn(__fsub_rn(xv[k], mu), r) : __fmul_rn(xv[k], r);
-        const float gk = __fmul_rn(d[k], g[k]);
-        const float t = __fmul_rn(xh, mean_g_xhat);
-        out[k] = kLayer ? __fmul_rn(r, __fsub_rn(__fsub_rn(gk, mean_g), t)) : __fmul_rn(r, __fsub_rn(gk, t));
+        for (int k = 0; k < VEC; ++k) {
+          const float xh = kLayer ? __fmul_rn(__fsub_rn(xv[k], mu), r) : __fmul_rn(xv[k], r);
+          const float gk = __fmul_rn(d[k], g[k]);
+          const float t = __fmul_rn(xh, mean_g_xhat);
+          out[k] = kLayer ? __fmul_rn(r, __fsub_rn(__fsub_rn(gk, mean_g), t)) : __fmul_rn(r, __fsub_rn(gk, t));
+        }
+        if constexpr (kAdd) {
+          float dr[VEC];
+          unpack16<T>(*reinterpret_cast<const uint4*>(d_residual + base + c), dr);
+          round_vec_to_storage<T, VEC>(out);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) out[k] = __fadd_rn(out[k], dr[k]);
+        }
+        store_vec<T, VEC>(dx + base + c, out);
       }
-      if constexpr (kAdd) {
-        float dr[VEC];
-        unpack16<T>(*reinterpret_cast<const uint4*>(d_residual + base + c), dr);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) out[k] = __fadd_rn(round_to_storage<T>(out[k]), dr[k]);
-      }
-      store_vec<T, VEC>(dx + base + c, out);
-    }
+    });
   }
   float* out_g = dgamma_part + int64_t(blockIdx.x) * cols;
   float* out_b = kLayer && dbeta_part ? dbeta_part + int64_t(blockIdx.x) * cols : nullptr;

@@ -66,9 +66,7 @@ __device__ __forceinline__ void store_vec(T* p, const float* v) {
   } else {
     static_assert(N == 8, "BF16 vectors are 8 elements");
     uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      w[k] = uint32_t(float_to_bf16_bits(v[2 * k])) | (uint32_t(float_to_bf16_bits(v[2 * k + 1])) << 16);
+    floats_to_bf16_pairs<8>(v, w);
     *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }

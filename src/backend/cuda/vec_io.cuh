@@ -95,10 +95,7 @@ __device__ __forceinline__ void store8(float* p, const float (&v)[kWidth]) {
 }
 __device__ __forceinline__ void store8(bf16* p, const float (&v)[kWidth]) {
   uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k)
-    w[k] = static_cast<uint32_t>(float_to_bf16_bits(v[2 * k])) |
-           (static_cast<uint32_t>(float_to_bf16_bits(v[2 * k + 1])) << 16);
+  floats_to_bf16_pairs<kWidth>(v, w);
   *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
