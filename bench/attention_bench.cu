@@ -14,6 +14,9 @@
 // tessera's backward runs twice: deterministic (the default: a dK/dV pass and a dQ pass,
 // bitwise repeatable) and atomic (tessera::set_attention_deterministic(false): dQ summed
 // with FP32 atomics inside the dK/dV pass, as FlashAttention-2 does), one row each.
+// Then both again with the legacy dK/dV kernel (rows "legacy" and "leg-atom",
+// cuda::set_attention_backward_legacy), with a bitwise comparison of its gradients against
+// the default kernel's.
 //
 // Correctness in the same run: batch 0 of each backend's timed outputs (out, lse, dq, dk,
 // dv) against the generic CUDA path (FP32 arithmetic, no tensor cores) on batch 0 of the
@@ -30,12 +33,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "gpu_timing.h"
 #include "backend/cuda/attention.h"
+#include "backend/cuda/attention_bwd_variant.h"
 #include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/attention_fwd_variants.h"
 #include "tessera/core/allocator.h"
@@ -146,6 +151,32 @@ void run(const Problem& pb, int runs) {
     time_backend("tess-atom", [&] { attention_forward(ctx, q, k, v, out, lse, opts); },
                  [&] { attention_backward(ctx, d_out, q, k, v, out, lse, dq, dk, dv, opts); }, &unused,
                  &sum.atomic_all);
+    set_attention_deterministic(true);
+
+    // The legacy dK/dV kernel (attention_bwd_variant.h) against the default in the same run:
+    // timed and checked like the rows above, and its dq, dk, dv compared bit for bit with
+    // the default's (the two kernels differ only in load scheduling and addressing).
+    for (const bool deterministic : {true, false}) {
+      set_attention_deterministic(deterministic);
+      cuda::set_attention_backward_legacy(false);
+      attention_backward(ctx, d_out, q, k, v, out, lse, dq, dk, dv, opts);
+      const Tensor new_dq = dq.to(Device::cpu()), new_dk = dk.to(Device::cpu()), new_dv = dv.to(Device::cpu());
+      cuda::set_attention_backward_legacy(true);
+      double legacy_all = 0;
+      time_backend(deterministic ? "legacy" : "leg-atom", [&] { attention_forward(ctx, q, k, v, out, lse, opts); },
+                   [&] { attention_backward(ctx, d_out, q, k, v, out, lse, dq, dk, dv, opts); }, &unused,
+                   &legacy_all);
+      cuda::set_attention_backward_legacy(false);
+      const auto same = [](const Tensor& a, const Tensor& b) {
+        const Tensor c = b.to(Device::cpu());
+        return std::memcmp(a.raw_data(), c.raw_data(), a.nbytes()) == 0;
+      };
+      // dq of the atomic variant depends on the order of its atomic adds: not compared.
+      const bool dq_same = !deterministic || same(new_dq, dq);
+      std::printf("|   legacy vs default dK/dV kernel, bitwise: dk %s dv %s dq %s |\n",
+                  same(new_dk, dk) ? "same" : "DIFFERENT", same(new_dv, dv) ? "same" : "DIFFERENT",
+                  deterministic ? (dq_same ? "same" : "DIFFERENT") : "(atomic)");
+    }
     set_attention_deterministic(true);
   }
 
