@@ -54,7 +54,9 @@
 #include "tessera/core/allocator.h"
 #include "tessera/core/random.h"
 #include "tessera/fp8/block_quantized_tensor.h"
+#include "tessera/fp8/device_scaling.h"
 #include "tessera/fp8/quantized_tensor.h"
+#include "tessera/ops/moe.h"
 #include "tessera/ops/gemm.h"
 #include "tessera/ops/activation.h"
 #include "tessera/ops/elementwise.h"
@@ -376,6 +378,84 @@ void run_shape(int64_t R, int64_t C) {
     table.add("swiglu_forward (x [R, 2C])", 3 * A, ms_f, cf.text());
     table.add("swiglu_backward", 5 * A, ms_b, cb.text());
   }
+  // ---- MoE scaled SwiGLU (Mixtral: x [16384, 2 x 14336] BF16, h [16384, 14336]) ----
+  // The vector kernels against the legacy scalar ones (set_moe_swiglu_legacy, i.e.
+  // TESSERA_MOE_LEGACY=1), and the FP8 backward (d_scale + amax pass, then the cast pass, dx
+  // never stored) against the unfused pair (BF16 backward with dx's amax, then
+  // moe_fp8_quantize_rows), E5M2 over 8 experts (one without rows). Bytes per element of h:
+  // forward 6 (x 4 read, h 2 written), backward 10 (x 4 + dy 2 read, dx 4 written), FP8
+  // backward 16 (x and dy read twice, 2 codes written twice), unfused 18 (+ dx 4 written and
+  // read, 4 codes). Checked in the same run: y and dx bit-identical to the legacy kernels',
+  // the sample rows against the CPU reference, and the fused codes (data, data_t, scale_inv)
+  // and d_scale byte for byte against the unfused pair's. At the first shape only.
+  if (table.wanted("moe_swiglu") && C == 4096) {
+    const int64_t M = 16384, F = 14336;
+    const double NH = double(M) * double(F);
+    const bool legacy_before = moe_swiglu_legacy();
+    Tensor xm = randn({M, 2 * F}, bf, 31, 2.0f), dym = randn({M, F}, bf, 32);
+    Tensor prob = Tensor::empty({M}, f32, kGpu);
+    fill_uniform(gpu, prob, 0.0f, 1.0f, 33);
+    Tensor y = Tensor::empty({M, F}, bf, kGpu), y_l = y.clone(), dxm = Tensor::empty({M, 2 * F}, bf, kGpu);
+    Tensor dx_l = dxm.clone(), ds = Tensor::empty({M}, f32, kGpu), ds_l = ds.clone(), ds_f = ds.clone();
+    Tensor am = Tensor::empty({1}, f32, kGpu), am_l = am.clone();
+    auto with_legacy = [&](bool legacy, const std::function<void()>& fn) {
+      set_moe_swiglu_legacy(legacy);
+      fn();
+      set_moe_swiglu_legacy(legacy_before);
+    };
+    auto fwd = [&] { with_legacy(false, [&] { moe_swiglu_scaled_forward(gpu, xm, prob, y); }); };
+    auto fwd_l = [&] { with_legacy(true, [&] { moe_swiglu_scaled_forward(gpu, xm, prob, y_l); }); };
+    auto bwd = [&] { with_legacy(false, [&] { moe_swiglu_scaled_backward(gpu, xm, prob, dym, dxm, ds, &am); }); };
+    auto bwd_l = [&] { with_legacy(true, [&] { moe_swiglu_scaled_backward(gpu, xm, prob, dym, dx_l, ds_l, &am_l); }); };
+    const std::vector<int64_t> splits = {2053, 0, 3000, 1999, 2500, 2100, 2400, 2332};
+    MoEFp8Options o;
+    auto fused = [&] { return moe_swiglu_scaled_backward_quantize(gpu, xm, prob, dym, splits, DType::E5M2, o, ds_f); };
+    auto unfused = [&] {
+      MoEFp8Rows q;
+      with_legacy(false, [&] {
+        moe_swiglu_scaled_backward(gpu, xm, prob, dym, dxm, ds, &am);
+        q = moe_fp8_quantize_rows(gpu, dxm, am, splits, DType::E5M2, o);
+      });
+      return q;
+    };
+    const double ms_f = median_ms(fwd, g_runs), ms_fl = median_ms(fwd_l, g_runs);
+    const double ms_b = median_ms(bwd, g_runs), ms_bl = median_ms(bwd_l, g_runs);
+    const double ms_q = median_ms([&] { fused(); }, g_runs), ms_ql = median_ms([&] { unfused(); }, g_runs);
+    for (Tensor* t : {&y, &y_l, &dxm, &dx_l, &ds, &ds_l, &am, &am_l}) poison(*t);
+    fwd();
+    fwd_l();
+    bwd();
+    bwd_l();
+    Check cf, cb;
+    cf.expect(byte_mismatch(y, y_l), 0, "y vs legacy");
+    cb.expect(byte_mismatch(dxm, dx_l), 0, "dx vs legacy");
+    cb.expect(byte_mismatch(am, am_l), 0, "amax vs legacy");
+    cb.expect(rel_error(ds, ds_l), 1e-5, "d_scale vs legacy");
+    {
+      const Tensor sx = sample(xm), sp = sample(prob), sdy = sample(dym);
+      Tensor wy = cpu_empty_like(sdy), wdx = cpu_empty_like(sx), wds = cpu_empty_like(sp);
+      moe_swiglu_scaled_forward(cpu, sx, sp, wy);
+      moe_swiglu_scaled_backward(cpu, sx, sp, sdy, wdx, wds);
+      cf.expect(rel_error(sample(y), wy), 1e-2, "y vs cpu");
+      cb.expect(rel_error(sample(dxm), wdx), 1e-2, "dx vs cpu");
+      cb.expect(rel_error(sample(ds), wds), 1e-4, "d_scale vs cpu");
+    }
+    Check cq;
+    {
+      poison(ds_f);
+      const MoEFp8Rows a = fused(), b = unfused();
+      cq.expect(byte_mismatch(a.data, b.data), 0, "data");
+      cq.expect(byte_mismatch(a.data_t, b.data_t), 0, "data_t");
+      cq.expect(byte_mismatch(a.scale_inv, b.scale_inv), 0, "scale_inv");
+      cq.expect(byte_mismatch(ds_f, ds), 0, "d_scale");
+    }
+    table.add("moe_swiglu_forward vector", 6 * NH, ms_f, cf.text());
+    table.add("moe_swiglu_forward legacy", 6 * NH, ms_fl, cf.text());
+    table.add("moe_swiglu_backward vector (+amax)", 10 * NH, ms_b, cb.text());
+    table.add("moe_swiglu_backward legacy (+amax)", 10 * NH, ms_bl, cb.text());
+    table.add("moe_swiglu_backward -> E5M2 (2 passes)", 16 * NH, ms_q, cq.text());
+    table.add("moe_swiglu_backward, then cast rows", 18 * NH, ms_ql, cq.text());
+  }
 
   // ---- Casts (the cast op; every dtype pair has a kernel) ----
   if (table.wanted("cast")) {
@@ -545,6 +625,68 @@ void run_shape(int64_t R, int64_t C) {
   // ---- FP8 cast + transpose with the bias gradient (a biased linear's dy; E5M2) ----
   // fp8::quantize_with_transpose_and_bias_grad (one read of dy) against the cast then
   // bias_grad (dy read twice): codes byte for byte, dbias (F32, accumulated) to 1e-6.
+  // ---- MoE expert weights -> E4M3, one current scale per expert (Mixtral's fc and proj) ----
+  // moe_fp8_quantize_weights' one-launch casts (every amax, every scale, every cast: three
+  // launches), row-wise only (the forward without keep_weight_transpose) and with the
+  // transposed codes, against the per-expert loop (set_moe_fp8_legacy_weight_cast, i.e.
+  // TESSERA_MOE_LEGACY=1: amax, scale, cast + transpose per expert) and a per-expert loop of
+  // the row-wise cast alone (amax, scale_from_amax, quantize_per_tensor). Every expert holds
+  // rows. Bytes: w read twice (amax, cast), 1 B of codes written per element (2 B with the
+  // transpose). Checked in the same run: every expert's codes, transposed codes, scale and
+  // scale_inv equal the legacy loop's byte for byte. At the first shape only (the weights
+  // do not depend on it).
+  if (table.wanted("moe_weights") && C == 4096) {
+    const bool legacy_before = moe_fp8_legacy_weight_cast();
+    for (const Shape& ws : {Shape{8, 28672, 4096}, Shape{8, 4096, 14336}}) {
+      const Tensor w = randn(ws, bf, 21, 0.02f);
+      const std::vector<int64_t> splits(static_cast<size_t>(ws[0]), 1);
+      const double n = double(ws[0]) * double(ws[1]) * double(ws[2]);
+      auto cast = [&](bool legacy, bool keep) {
+        set_moe_fp8_legacy_weight_cast(legacy);
+        MoEFp8Options o;
+        o.keep_weight_transpose = keep;
+        MoEFp8Weights q = moe_fp8_quantize_weights(gpu, w, splits, o);
+        set_moe_fp8_legacy_weight_cast(legacy_before);
+        return q;
+      };
+      std::vector<Tensor> loop_codes(splits.size());
+      for (Tensor& t : loop_codes) t = Tensor::empty({ws[1], ws[2]}, DType::E4M3, kGpu);
+      auto rows_loop = [&] {
+        for (size_t e = 0; e < splits.size(); ++e) {
+          const Tensor we = w.select(0, static_cast<int64_t>(e));
+          Tensor a = Tensor::empty({1}, f32, kGpu), s = Tensor::empty({1}, f32, kGpu);
+          amax(gpu, we, a);
+          fp8::scale_from_amax(gpu, a, DType::E4M3, 0.0f, false, s);
+          quantize_per_tensor(gpu, we, s, loop_codes[e]);
+        }
+      };
+      const double ms_rows = median_ms([&] { cast(false, false); }, g_runs);
+      const double ms_both = median_ms([&] { cast(false, true); }, g_runs);
+      const double ms_legacy = median_ms([&] { cast(true, true); }, g_runs);
+      const double ms_loop = median_ms(rows_loop, g_runs);
+      Check c_rows, c_both, c_loop;
+      {
+        const MoEFp8Weights want = cast(true, true), rows = cast(false, false), both = cast(false, true);
+        rows_loop();
+        for (size_t e = 0; e < splits.size(); ++e) {
+          const std::string who = "expert " + std::to_string(e);
+          for (const auto& [got, c] : {std::pair{&rows, &c_rows}, std::pair{&both, &c_both}}) {
+            c->expect(byte_mismatch(got->experts[e].data, want.experts[e].data), 0, who + " data");
+            c->expect(byte_mismatch(got->experts[e].scale_inv, want.experts[e].scale_inv), 0, who + " scale_inv");
+            c->expect(byte_mismatch(got->scales[e], want.scales[e]), 0, who + " scale");
+          }
+          c_both.expect(byte_mismatch(both.experts[e].data_t, want.experts[e].data_t), 0, who + " data_t");
+          c_loop.expect(byte_mismatch(loop_codes[e], want.experts[e].data), 0, who + " data");
+        }
+      }
+      const std::string tag = "moe_weights " + shape_to_string(ws);
+      table.add(tag + " one-launch rows", 5 * n, ms_rows, c_rows.text());
+      table.add(tag + " one-launch rows+T", 6 * n, ms_both, c_both.text());
+      table.add(tag + " per-expert loop rows+T", 6 * n, ms_legacy, c_both.text());
+      table.add(tag + " per-expert loop rows", 5 * n, ms_loop, c_loop.text());
+    }
+  }
+
   if (table.wanted("castbias")) {
     Tensor sc = Tensor::from_floats({64.0f}, {1}).to(kGpu);
     Tensor db_f = Tensor::zeros({C}, f32, kGpu), db_u = Tensor::zeros({C}, f32, kGpu);

@@ -146,6 +146,66 @@ TEST(MoeFp8, SwigluBackwardReducesTheAmaxOfItsOutput) {
   EXPECT_EQ(a.item(0), want.item(0));
 }
 
+TEST(MoeFp8, SwigluBackwardQuantizeIsTheBackwardThenTheCast) {
+  Context ctx = Context::cpu();
+  const int64_t rows = 29, f = 24;
+  for (const std::vector<int64_t>& splits : {std::vector<int64_t>{11, 0, 17}, std::vector<int64_t>{0, 0, 0}}) {
+    const Tensor x = random_tensor({rows, 2 * f}, DType::BF16, 51, -4, 4), sc = random_tensor({rows}, DType::F32, 52, 0, 1);
+    const Tensor dy = random_tensor({rows, f}, DType::BF16, 53, -2, 2);
+    for (DType fp8 : {DType::E5M2, DType::E4M3}) {
+      Tensor ds = Tensor::empty({rows}, DType::F32);
+      const MoEFp8Rows q = moe_swiglu_scaled_backward_quantize(ctx, x, sc, dy, splits, fp8, hybrid(), ds);
+      // The composition: dx in BF16 with its amax, then current scaling of dx.
+      Tensor dx = Tensor::empty({rows, 2 * f}, DType::BF16), ds2 = Tensor::empty({rows}, DType::F32);
+      Tensor a = Tensor::empty({1}, DType::F32);
+      moe_swiglu_scaled_backward(ctx, x, sc, dy, dx, ds2, &a);
+      const MoEFp8Rows want = moe_fp8_quantize_rows(ctx, dx, a, splits, fp8, hybrid());
+      EXPECT_EQ(q.dtype, fp8);
+      EXPECT_EQ(q.data.to_doubles(), want.data.to_doubles());
+      EXPECT_EQ(q.data_t.shape(), want.data_t.shape());
+      EXPECT_EQ(q.data_t.to_doubles(), want.data_t.to_doubles());
+      EXPECT_EQ(q.scale_inv.item(0), want.scale_inv.item(0));
+      EXPECT_EQ(ds.to_doubles(), ds2.to_doubles());
+      expect_padded_transpose(q);
+      // And the codes are dx's within the format's rounding (a wrong scale or half fails).
+      if (splits[0] > 0) {
+        Tensor back = Tensor::empty({rows, 2 * f}, DType::F32);
+        dequantize_per_tensor(ctx, q.data, q.scale_inv, back);
+        const int64_t kept = splits[0] + splits[1] + splits[2];
+        EXPECT_LT(relative_error(back.slice(0, 0, kept), dx.slice(0, 0, kept)), fp8 == DType::E4M3 ? 0.05 : 0.1);
+      }
+    }
+  }
+}
+
+TEST(MoeFp8, GroupedMlpFp8BackwardIsTheSameUnderTheLegacySwitch) {
+  Context ctx = Context::cpu();
+  const int64_t e = 3, hidden = 32, ffn = 48, rows = 40;
+  const std::vector<int64_t> splits = {13, 0, 20};
+  const Tensor x = rows_input(rows, hidden, splits, 61), dy = rows_input(rows, hidden, splits, 62);
+  const Tensor prob = random_tensor({rows}, DType::BF16, 63, 0.1f, 1.0f);
+  const bool before = moe_swiglu_legacy();
+  std::vector<Tensor> results[2];
+  for (int legacy = 0; legacy < 2; ++legacy) {
+    set_moe_swiglu_legacy(legacy == 1);
+    nn::GroupedMLP m("m", e, hidden, ffn, DType::BF16);
+    m.fc.weight.value.copy_from(random_tensor(m.fc.weight.value.shape(), DType::BF16, 64, -0.3f, 0.3f));
+    m.proj.weight.value.copy_from(random_tensor(m.proj.weight.value.shape(), DType::BF16, 65, -0.3f, 0.3f));
+    m.use_fp8(hybrid());
+    nn::GroupedMLP::Saved saved;
+    m.forward(ctx, x, prob, splits, saved);
+    ASSERT_TRUE(saved.fp8);
+    const Tensor dx = m.backward_input(ctx, dy, saved);
+    m.backward_weight(ctx, dy, saved);
+    results[legacy] = {dx, saved.d_scale, m.fc.weight.grad, m.proj.weight.grad};
+  }
+  set_moe_swiglu_legacy(before);
+  for (size_t i = 0; i < results[0].size(); ++i) {
+    EXPECT_EQ(results[0][i].to_doubles(), results[1][i].to_doubles()) << i;
+    EXPECT_GT(relative_error(results[0][i], Tensor::zeros(results[0][i].shape(), DType::F64)), 0) << i;  // not all zero
+  }
+}
+
 namespace {
 
 struct GroupedCase {

@@ -63,9 +63,21 @@ Tensor GroupedLinear::backward_input_fp8(Context& ctx, const Tensor& dy, Fp8Save
   TESSERA_CHECK(fp8_.has_value() && saved.x.data_t.defined(), "GroupedLinear ", weight.name,
                 ": backward_input_fp8 needs forward_fp8 first");
   const DType fp8 = fp8_->gradient_dtype();
-  saved.dy = dy_amax.defined() ? moe_fp8_quantize_rows(ctx, dy, dy_amax, saved.x.splits, fp8, *fp8_)
-                               : moe_fp8_quantize_rows(ctx, dy, saved.x.splits, fp8, *fp8_);
-  Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
+  return backward_input_fp8(ctx,
+                            dy_amax.defined() ? moe_fp8_quantize_rows(ctx, dy, dy_amax, saved.x.splits, fp8, *fp8_)
+                                              : moe_fp8_quantize_rows(ctx, dy, saved.x.splits, fp8, *fp8_),
+                            saved);
+}
+
+Tensor GroupedLinear::backward_input_fp8(Context& ctx, MoEFp8Rows dy, Fp8Saved& saved) const {
+  TESSERA_CHECK(fp8_.has_value() && saved.x.data_t.defined(), "GroupedLinear ", weight.name,
+                ": backward_input_fp8 needs forward_fp8 first");
+  TESSERA_CHECK(dy.data.defined() && dy.data.dim() == 2 && dy.data.size(1) == out_ && dy.splits == saved.x.splits &&
+                    dy.dtype == fp8_->gradient_dtype(),
+                "GroupedLinear ", weight.name, ": backward_input_fp8 needs dy cast to ",
+                dtype_name(fp8_->gradient_dtype()), " as [M, ", out_, "] rows with the forward's split sizes");
+  saved.dy = std::move(dy);
+  Tensor dx = Tensor::empty({saved.dy.data.size(0), in_}, weight.value.dtype(), ctx.device);
   if (!saved.w.scales.empty()) {
     // W^T of each expert with rows, cast again with its forward scale (the weight is
     // unchanged since the forward): the forward's codes, without the row-wise copy.
@@ -127,8 +139,16 @@ Tensor GroupedMLP::forward(Context& ctx, const Tensor& x, const Tensor& scale, c
 Tensor GroupedMLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
   if (saved.fp8) {
     const Tensor d_h = proj.backward_input_fp8(ctx, dy, saved.proj8);
-    Tensor d_h_pre = Tensor::empty(saved.h_pre.shape(), saved.h_pre.dtype(), ctx.device);
     saved.d_scale = Tensor::empty(saved.scale.shape(), saved.scale.dtype(), ctx.device);
+    if (!moe_swiglu_legacy()) {
+      // d_h_pre, fc's dy, straight to FP8 (never stored in BF16; the same codes as below).
+      const MoEFp8Options& fc_o = *fc.fp8_options();
+      MoEFp8Rows d_h_pre = moe_swiglu_scaled_backward_quantize(ctx, saved.h_pre, saved.scale, d_h, saved.splits,
+                                                               fc_o.gradient_dtype(), fc_o, saved.d_scale);
+      saved.h_pre = Tensor();  // nothing reads it again
+      return fc.backward_input_fp8(ctx, std::move(d_h_pre), saved.fc8);
+    }
+    Tensor d_h_pre = Tensor::empty(saved.h_pre.shape(), saved.h_pre.dtype(), ctx.device);
     // The SwiGLU backward also reduces d_h_pre's amax, so its FP8 cast needs no amax pass.
     Tensor d_h_pre_amax = Tensor::empty({1}, DType::F32, ctx.device);
     moe_swiglu_scaled_backward(ctx, saved.h_pre, saved.scale, d_h, d_h_pre, saved.d_scale, &d_h_pre_amax);

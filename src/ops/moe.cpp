@@ -1,6 +1,9 @@
 #include "tessera/ops/moe.h"
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <variant>
@@ -15,6 +18,7 @@
 #include "backend/cuda/grouped_gemm_wgmma.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/moe_fp8.h"
+#include "backend/cuda/moe_weight_cast.h"
 #include "backend/cuda/stream_fan.h"
 #endif
 
@@ -276,6 +280,21 @@ void moe_unpermute_backward(Context& ctx, const Tensor& expert_out, const Tensor
   cpu::moe_unpermute_backward(expert_out, row_map, probs, dy, d_expert_out, d_probs);
 }
 
+namespace {
+
+std::atomic<bool>& swiglu_legacy_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* v = std::getenv("TESSERA_MOE_LEGACY");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }()};
+  return flag;
+}
+
+}  // namespace
+
+bool moe_swiglu_legacy() { return swiglu_legacy_flag().load(std::memory_order_relaxed); }
+void set_moe_swiglu_legacy(bool legacy) { swiglu_legacy_flag().store(legacy, std::memory_order_relaxed); }
+
 void moe_swiglu_scaled_forward(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& y) {
   const char* op = "moe_swiglu_scaled_forward";
   check_matrix(x, op, "x");
@@ -287,7 +306,7 @@ void moe_swiglu_scaled_forward(Context& ctx, const Tensor& x, const Tensor& scal
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
     if (cuda::moe_permute_supported({&x, &y}, {&scale})) {
-      cuda::moe_swiglu_scaled_forward(ctx.stream, x, scale, y);
+      cuda::moe_swiglu_scaled_forward(ctx.stream, x, scale, y, moe_swiglu_legacy());
       return;
     }
 #endif
@@ -315,7 +334,7 @@ void moe_swiglu_scaled_backward(Context& ctx, const Tensor& x, const Tensor& sca
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
     if (cuda::moe_permute_supported({&x, &dy, &dx}, {&scale, &d_scale})) {
-      cuda::moe_swiglu_scaled_backward(ctx.stream, x, scale, dy, dx, d_scale, dx_amax);
+      cuda::moe_swiglu_scaled_backward(ctx.stream, x, scale, dy, dx, d_scale, dx_amax, moe_swiglu_legacy());
       return;
     }
 #endif
@@ -583,6 +602,50 @@ MoEFp8Rows moe_fp8_quantize_rows(Context& ctx, const Tensor& x, const Tensor& x_
   return moe_fp8_cast_rows(ctx, x, current_scale(ctx, x_amax, fp8, o), splits, fp8);
 }
 
+namespace {
+
+std::atomic<bool>& legacy_weight_cast_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* v = std::getenv("TESSERA_MOE_LEGACY");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }()};
+  return flag;
+}
+
+#if TESSERA_WITH_CUDA
+// The experts with rows in three launches (backend/cuda/moe_weight_cast.cu); each entry of q
+// a view into the shared outputs, with the per-expert loop's bytes.
+void quantize_weights_one_launch(Context& ctx, const Tensor& w, const std::vector<int64_t>& splits, DType fp8,
+                                 const MoEFp8Options& o, MoEFp8Weights& q) {
+  std::vector<int64_t> experts;
+  for (size_t e = 0; e < splits.size(); ++e)
+    if (splits[e] > 0) experts.push_back(static_cast<int64_t>(e));
+  if (experts.empty()) return;
+  const int64_t a = static_cast<int64_t>(experts.size()), n = w.size(1), k = w.size(2);
+  Tensor amax_t = Tensor::empty({a}, DType::F32, ctx.device);
+  Tensor scale = Tensor::empty({4 * a}, DType::F32, ctx.device);
+  Tensor scale_inv = Tensor::empty({4 * a}, DType::F32, ctx.device);
+  Tensor data = Tensor::empty({a, n, k}, fp8, ctx.device);
+  Tensor data_t = o.keep_weight_transpose ? Tensor::empty({a, k, n}, fp8, ctx.device) : Tensor();
+  cuda::moe_weight_amax(ctx.stream, w, experts, amax_t);
+  cuda::moe_weight_scales(ctx.stream, amax_t, fp8_max(fp8), o.margin, o.power_of_two_scales, scale, scale_inv);
+  cuda::moe_weight_cast(ctx.stream, w, scale, experts, data, data_t);
+  for (int64_t i = 0; i < a; ++i) {
+    fp8::QuantizedTensor& t = q.experts[static_cast<size_t>(experts[static_cast<size_t>(i)])];
+    t.dtype = fp8;
+    t.data = data.select(0, i);
+    if (data_t.defined()) t.data_t = data_t.select(0, i);
+    t.scale_inv = scale_inv.slice(0, 4 * i, 4 * i + 1);
+    q.scales[static_cast<size_t>(experts[static_cast<size_t>(i)])] = scale.slice(0, 4 * i, 4 * i + 1);
+  }
+}
+#endif
+
+}  // namespace
+
+void set_moe_fp8_legacy_weight_cast(bool legacy) { legacy_weight_cast_flag() = legacy; }
+bool moe_fp8_legacy_weight_cast() { return legacy_weight_cast_flag(); }
+
 MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std::vector<int64_t>& splits,
                                        const MoEFp8Options& o) {
   const char* op = "moe_fp8_quantize_weights";
@@ -592,6 +655,14 @@ MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std:
   q.experts.resize(splits.size());
   q.scales.resize(splits.size());
   const DType fp8 = o.forward_dtype();
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda() && !moe_fp8_legacy_weight_cast() &&
+      cuda::moe_weight_cast_supported(w, o.keep_weight_transpose)) {
+    check_on_device(ctx, op, {&w});
+    quantize_weights_one_launch(ctx, w, splits, fp8, o, q);
+    return q;
+  }
+#endif
   for (size_t e = 0; e < splits.size(); ++e) {
     if (splits[e] == 0) continue;
     const Tensor we = w.select(0, static_cast<int64_t>(e));
@@ -662,6 +733,38 @@ MoEFp8Rows moe_swiglu_scaled_quantize(Context& ctx, const Tensor& x, const Tenso
   Tensor a = Tensor::empty({1}, DType::F32, ctx.device);
   moe_swiglu_scaled_amax(ctx, x, scale, a);
   return moe_swiglu_scaled_cast(ctx, x, scale, current_scale(ctx, a, fp8, o), splits, fp8);
+}
+
+MoEFp8Rows moe_swiglu_scaled_backward_quantize(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy,
+                                               const std::vector<int64_t>& splits, DType fp8, const MoEFp8Options& o,
+                                               Tensor& d_scale) {
+  const char* op = "moe_swiglu_scaled_backward_quantize";
+  check_matrix(x, op, "x");
+  check_float(x, op, "x");
+  TESSERA_CHECK(x.size(1) % 2 == 0, op, ": x must be [M, 2F], got ", x.describe());
+  check_shaped(scale, {x.size(0)}, op, "scale");
+  check_shaped(dy, {x.size(0), x.size(1) / 2}, op, "dy");
+  check_shaped(d_scale, {x.size(0)}, op, "d_scale");
+  check_fp8_dtype(fp8, op);
+  check_splits(splits, static_cast<int64_t>(splits.size()), x.size(0), op);
+  check_on_device(ctx, op, {&x, &scale, &dy, &d_scale});
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda() && cuda::moe_swiglu_backward_cast_supported(x, scale, dy, int64_t(splits.size())) &&
+      cuda::moe_permute_supported({&x, &dy}, {&scale, &d_scale})) {
+    Tensor a = Tensor::empty({1}, DType::F32, ctx.device);
+    cuda::moe_swiglu_scaled_backward_amax(ctx.stream, x, scale, dy, d_scale, a);
+    const Tensor fp8_scale = current_scale(ctx, a, fp8, o);
+    MoEFp8Rows q = empty_rows(ctx, x.size(0), x.size(1), splits, fp8);
+    q.scale_inv = reciprocal_scale(ctx, fp8_scale, op);
+    cuda::moe_swiglu_scaled_backward_cast(ctx.stream, x, scale, dy, fp8_scale, splits, q.padded_offsets, q.data,
+                                          q.data_t);
+    return q;
+  }
+#endif
+  // The definition (and the CUDA fallback): dx stored, then cast with the amax reduced with it.
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), ctx.device), a = Tensor::empty({1}, DType::F32, ctx.device);
+  moe_swiglu_scaled_backward(ctx, x, scale, dy, dx, d_scale, &a);
+  return moe_fp8_quantize_rows(ctx, dx, a, splits, fp8, o);
 }
 
 void grouped_linear_forward_fp8(Context& ctx, const MoEFp8Rows& x, const MoEFp8Weights& w, Tensor& y) {

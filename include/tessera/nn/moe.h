@@ -51,6 +51,9 @@ class GroupedLinear {
   // dx [M, in] (BF16); casts dy (the recipe's gradient format) into saved.dy. dy_amax
   // (F32 [1]), when given, is dy's amax already reduced (no amax pass).
   Tensor backward_input_fp8(Context& ctx, const Tensor& dy, Fp8Saved& saved, const Tensor& dy_amax = Tensor()) const;
+  // The same with dy [M, out] already cast (the recipe's gradient format, saved.x's splits),
+  // e.g. by moe_swiglu_scaled_backward_quantize; it moves into saved.dy.
+  Tensor backward_input_fp8(Context& ctx, MoEFp8Rows dy, Fp8Saved& saved) const;
   // dW += dy^T x per expert, into the F32 gradient (the caller frees saved afterwards).
   void backward_weight_fp8(Context& ctx, const Fp8Saved& saved);
 

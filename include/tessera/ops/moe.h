@@ -117,6 +117,13 @@ void moe_swiglu_scaled_forward(Context& ctx, const Tensor& x, const Tensor& scal
 void moe_swiglu_scaled_backward(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx,
                                 Tensor& d_scale, Tensor* dx_amax = nullptr);
 
+// The earlier SwiGLU kernels, to time them against the current ones in one run: on CUDA the
+// scaled SwiGLU runs its scalar one-block-per-row kernels, and nn::GroupedMLP's FP8 backward
+// the unfused path (BF16 dx, then its cast). Starts as TESSERA_MOE_LEGACY=1 in the
+// environment (read once); process-wide. Results are the same but for d_scale's last bits.
+bool moe_swiglu_legacy();
+void set_moe_swiglu_legacy(bool legacy);
+
 // GroupedLinear: every expert's linear layer in one call.
 //   x [M, K] expert-contiguous rows, w [E, N, K] (PyTorch's [out, in] per expert),
 //   split_sizes: E host-side row counts (zeros allowed), sum <= M.
@@ -182,7 +189,10 @@ struct MoEFp8Rows {
 // Each expert's weight [N, K] cast with its own scale (experts without rows are skipped:
 // their entry stays empty). experts[e].data [N, K], data_t [K, N], scale_inv [1]; scales[e]
 // the F32 [1] scale it was cast with (fp8::quantize_with_transpose of the same weight with it
-// gives the same codes: how nn::GroupedLinear re-casts W^T in backward).
+// gives the same codes: how nn::GroupedLinear re-casts W^T in backward). On CUDA the
+// one-launch casts (BF16 w, K % 8 == 0) write data_t only under keep_weight_transpose, and
+// the entries are views of shared tensors: data of an [A, N, K] tensor (A experts with
+// rows), scale_inv and scales of [4A] ones, 16 bytes apart (cuBLASLt's scale alignment).
 struct MoEFp8Weights {
   std::vector<fp8::QuantizedTensor> experts;
   std::vector<Tensor> scales;
@@ -198,9 +208,16 @@ MoEFp8Rows moe_fp8_quantize_rows(Context& ctx, const Tensor& x, const Tensor& x_
 // The same cast with a given scale (F32 [1] on ctx.device): the building block, for tests.
 MoEFp8Rows moe_fp8_cast_rows(Context& ctx, const Tensor& x, const Tensor& scale, const std::vector<int64_t>& split_sizes,
                              DType fp8);
-// w [E, N, K]: experts with split_sizes[e] > 0 cast with their own current scale.
+// w [E, N, K]: experts with split_sizes[e] > 0 cast with their own current scale. On CUDA
+// three launches in all (every amax, every scale, every cast; backend/cuda/moe_weight_cast.cu)
+// where supported, else three per expert; the bytes are the same.
 MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std::vector<int64_t>& split_sizes,
                                        const MoEFp8Options& options);
+// Whether moe_fp8_quantize_weights takes the per-expert loop on CUDA too (process-wide; the
+// default is TESSERA_MOE_LEGACY=1 in the environment, read once): for timing the two and for
+// the tests that compare them.
+void set_moe_fp8_legacy_weight_cast(bool legacy);
+bool moe_fp8_legacy_weight_cast();
 
 // The SwiGLU scaled by the routing probability (moe_swiglu_scaled_forward's h) straight to
 // FP8: h is computed in float and never stored in BF16. Two passes over x [M, 2F]: the amax
@@ -212,6 +229,16 @@ MoEFp8Rows moe_swiglu_scaled_quantize(Context& ctx, const Tensor& x, const Tenso
 void moe_swiglu_scaled_amax(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& amax_out);
 MoEFp8Rows moe_swiglu_scaled_cast(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& fp8_scale,
                                   const std::vector<int64_t>& split_sizes, DType fp8);
+
+// The scaled SwiGLU backward straight to FP8: d_scale [M] (OVERWRITTEN) and dx [M, 2F] cast
+// with current scaling, with exactly the codes and scale of moe_swiglu_scaled_backward into
+// a dx of x's dtype, then moe_fp8_quantize_rows of it with the amax it reduced. On CUDA (BF16
+// x and dy, F % 8 == 0) two passes over x and dy, dx never stored: d_scale and dx's amax,
+// then dx recomputed and cast with both copies (backend/cuda/moe_swiglu.cu); elsewhere that
+// composition.
+MoEFp8Rows moe_swiglu_scaled_backward_quantize(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy,
+                                               const std::vector<int64_t>& split_sizes, DType fp8,
+                                               const MoEFp8Options& options, Tensor& d_scale);
 
 // The FP8 grouped GEMMs, per expert fp8_gemm (cuBLASLt on CUDA, the dequantized reference
 // on the CPU); the same row conventions as the BF16 ones:

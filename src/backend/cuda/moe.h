@@ -31,9 +31,11 @@ void moe_permute_backward(void* stream, const Tensor& row_map, const Tensor& d_p
 void moe_unpermute_forward(void* stream, const Tensor& expert_out, const Tensor& row_map, const Tensor& probs, Tensor& y);
 void moe_unpermute_backward(void* stream, const Tensor& expert_out, const Tensor& row_map, const Tensor& probs,
                             const Tensor& dy, Tensor& d_expert_out, Tensor& d_probs);
-void moe_swiglu_scaled_forward(void* stream, const Tensor& x, const Tensor& scale, Tensor& y);
+// The scaled SwiGLU (moe_swiglu.cu): x, y / dy, dx all F32 or all BF16. legacy: the scalar
+// one-block-per-row kernels even where the vector ones apply (TESSERA_MOE_LEGACY, to time both).
+void moe_swiglu_scaled_forward(void* stream, const Tensor& x, const Tensor& scale, Tensor& y, bool legacy = false);
 // dx_amax (F32 [1], optional): max |dx| of the stored values, from the same pass.
 void moe_swiglu_scaled_backward(void* stream, const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx,
-                                Tensor& d_scale, Tensor* dx_amax = nullptr);
+                                Tensor& d_scale, Tensor* dx_amax = nullptr, bool legacy = false);
 
 }  // namespace tessera::cuda

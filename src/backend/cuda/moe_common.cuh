@@ -1,6 +1,6 @@
-// Helpers shared by the MoE kernels (moe_router.cu, moe_permute.cu): F32/BF16 loads and
-// stores with a runtime dtype flag, and block reductions in a fixed order (so results do
-// not change from run to run).
+// Helpers shared by the MoE kernels (moe_router.cu, moe_permute.cu, moe_swiglu.cu):
+// F32/BF16 loads and stores with a runtime dtype flag, and block reductions in a fixed order
+// (so results do not change from run to run).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,6 +32,27 @@ inline AnyPtr any_ptr(const Tensor& t) {
 }
 
 inline bool f32_or_bf16(const Tensor& t) { return t.dtype() == DType::F32 || t.dtype() == DType::BF16; }
+
+// Element i of F32 or BF16 data as float, and v stored rounded to the element type.
+template <typename T>
+__device__ __forceinline__ float ld(const T* p, int64_t i);
+template <>
+__device__ __forceinline__ float ld<float>(const float* p, int64_t i) {
+  return p[i];
+}
+template <>
+__device__ __forceinline__ float ld<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ void st(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16(v); }
+
+// Calls fn(float{}) or fn(__nv_bfloat16{}) by the dtype of t.
+template <typename Fn>
+void by_dtype(const Tensor& t, Fn&& fn) {
+  if (t.dtype() == DType::BF16) fn(__nv_bfloat16{});
+  else fn(float{});
+}
 
 // Block-wide sum / max of one value per thread (blockDim.x a multiple of 32, at most 1024).
 // The tree has a fixed shape, so the result depends on the inputs only.

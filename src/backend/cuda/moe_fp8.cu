@@ -39,6 +39,7 @@
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
 #include "moe_common.cuh"
+#include "moe_fp8_rows.cuh"
 
 namespace tessera::cuda {
 
@@ -46,42 +47,11 @@ namespace {
 
 using moe_detail::AnyPtr;
 using moe_detail::any_ptr;
+using namespace moe_fp8_detail;
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;
-constexpr int kTile = 32;   // scalar kernel: 32 x 32 tiles, block (32, 8)
-constexpr int kVTile = 64;  // vector kernel: 64 padded positions x 64 features
-
-// The experts' row offsets and padded column offsets (E + 1 each), passed by value.
-struct ExpertTable {
-  int32_t n = 0;
-  int32_t first_row[kMoeFp8MaxExperts + 1];
-  int32_t padded[kMoeFp8MaxExperts + 1];
-};
-
-// The padded column of row r < first_row[n] (the scalar kernel walks rows).
-__device__ __forceinline__ int64_t padded_column(const ExpertTable& t, int64_t r) {
-  int lo = 0, hi = t.n - 1;  // the first expert whose rows end after r
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (t.first_row[mid + 1] > r) hi = mid;
-    else lo = mid + 1;
-  }
-  return t.padded[lo] + (r - t.first_row[lo]);
-}
-
-// The source row of padded column p < padded[n], or -1 for a padding column (the vector
-// kernel walks padded columns: expert boundaries there are multiples of 16).
-__device__ __forceinline__ int64_t source_row(const ExpertTable& t, int64_t p) {
-  int lo = 0, hi = t.n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (t.padded[mid + 1] > p) hi = mid;
-    else lo = mid + 1;
-  }
-  const int64_t i = p - t.padded[lo];
-  return i < t.first_row[lo + 1] - t.first_row[lo] ? t.first_row[lo] + i : -1;
-}
+constexpr int kTile = 32;  // scalar kernel: 32 x 32 tiles, block (32, 8)
 
 template <typename T>
 __device__ __forceinline__ float load(const T* p) {
@@ -148,8 +118,7 @@ template <bool kSwiglu, bool kE4M3>
 __global__ void __launch_bounds__(kThreads)
     cast_padded_vector_kernel(const uint16_t* x, AnyPtr prob, const float* scale, uint8_t* q, uint8_t* q_t,
                               int64_t cols, int64_t width, ExpertTable table, int64_t tiles_across, int64_t tiles) {
-  // Rows of 68 bytes: word-aligned, and the column reads below meet 2-way bank conflicts at most.
-  __shared__ __align__(16) uint8_t tile[kVTile][kVTile + 4];
+  __shared__ __align__(16) CodeTile tile;
   const float s = *scale;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t p0 = (t / tiles_across) * kVTile, c0 = (t % tiles_across) * kVTile;
@@ -192,19 +161,7 @@ __global__ void __launch_bounds__(kThreads)
       row[1] = words[1];
     }
     __syncthreads();
-    // Thread = (feature column, 16-column chunk); four neighbours write 64 contiguous bytes.
-    const int chunk = int(threadIdx.x) & 3, cl = int(threadIdx.x) >> 2;
-    const int64_t c = c0 + cl, p = p0 + chunk * 16;
-    if (c < cols && p < width) {  // width % 16 == 0: a chunk is wholly in or out
-      uint32_t w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = chunk * 16 + 4 * j;
-        w[j] = uint32_t(tile[r][cl]) | uint32_t(tile[r + 1][cl]) << 8 | uint32_t(tile[r + 2][cl]) << 16 |
-               uint32_t(tile[r + 3][cl]) << 24;
-      }
-      *reinterpret_cast<uint4*>(q_t + c * width + p) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    store_tile_transposed(tile, q_t, c0, p0, cols, width);
     __syncthreads();  // the tile is rewritten by the next iteration
   }
 }
@@ -237,17 +194,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-ExpertTable make_table(const std::vector<int64_t>& splits, const std::vector<int64_t>& padded) {
-  ExpertTable t;
-  t.n = static_cast<int32_t>(splits.size());
-  t.first_row[0] = 0;
-  for (size_t e = 0; e <= splits.size(); ++e) {
-    if (e > 0) t.first_row[e] = static_cast<int32_t>(t.first_row[e - 1] + splits[e - 1]);
-    t.padded[e] = static_cast<int32_t>(padded[e]);
-  }
-  return t;
-}
 
 void zero_padding(cudaStream_t s, const std::vector<int64_t>& splits, const std::vector<int64_t>& padded, Tensor& data_t) {
   const int64_t k = data_t.size(0), width = data_t.size(1);

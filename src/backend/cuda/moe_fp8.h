@@ -29,4 +29,16 @@ void moe_swiglu_scaled_cast(void* stream, const Tensor& x, const Tensor& prob, c
                             const std::vector<int64_t>& splits, const std::vector<int64_t>& padded, Tensor& data,
                             Tensor& data_t);
 
+// The scaled SwiGLU backward straight to FP8 (moe_swiglu.cu), for x [M, 2F] and dy [M, F]
+// BF16, contiguous, 16-byte aligned, F % 8 == 0, prob F32 or BF16, M < 2^31 rows and at most
+// kMoeFp8MaxExperts experts. Pass 1: d_prob [M] and amax[0] = max |BF16(dx)| (dx not
+// written); pass 2: moe_fp8_cast_rows of BF16(dx) (recomputed) with the given scale:
+// data [M, 2F], data_t [2F, P].
+bool moe_swiglu_backward_cast_supported(const Tensor& x, const Tensor& prob, const Tensor& dy, int64_t experts);
+void moe_swiglu_scaled_backward_amax(void* stream, const Tensor& x, const Tensor& prob, const Tensor& dy,
+                                     Tensor& d_prob, Tensor& dx_amax);
+void moe_swiglu_scaled_backward_cast(void* stream, const Tensor& x, const Tensor& prob, const Tensor& dy,
+                                     const Tensor& scale, const std::vector<int64_t>& splits,
+                                     const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t);
+
 }  // namespace tessera::cuda

@@ -1,6 +1,6 @@
 // MoE token movement on the GPU: the routing map (row of each assignment in the
-// expert-contiguous order), permute / unpermute forward and backward, and the SwiGLU scaled
-// by the routing probability between the expert GEMMs. Rules of the CPU reference
+// expert-contiguous order) and permute / unpermute forward and backward (the scaled SwiGLU
+// between the expert GEMMs is in moe_swiglu.cu). Rules of the CPU reference
 // (backend/cpu/moe.cpp); see include/tessera/ops/moe.h.
 //
 // Routing map without a host sync: one block per expert scans the assignments in token
@@ -17,7 +17,6 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda_check.h"
-#include "fp8_cvt.cuh"
 #include "moe.h"
 #include "moe_common.cuh"
 
@@ -62,19 +61,6 @@ __global__ void add_offsets_kernel(const int32_t* indices, const int32_t* offset
   const int64_t a = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (a < assignments && indices[a] >= 0) row_map[a] += offsets[indices[a]];
 }
-
-template <typename T>
-__device__ __forceinline__ float ld(const T* p, int64_t i);
-template <>
-__device__ __forceinline__ float ld<float>(const float* p, int64_t i) {
-  return p[i];
-}
-template <>
-__device__ __forceinline__ float ld<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
-  return __bfloat162float(p[i]);
-}
-__device__ __forceinline__ void st(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void st(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16(v); }
 
 // One block per assignment: copies its token's row (raw elements, no rounding).
 template <typename T>
@@ -138,51 +124,7 @@ __global__ void unpermute_backward_kernel(const T* expert_out, const int32_t* ro
   if (threadIdx.x == 0) d_probs.store(a, dot);
 }
 
-template <typename T>
-__global__ void swiglu_scaled_kernel(const T* x, AnyPtr scale, T* y, int64_t half) {
-  const int64_t r = blockIdx.x;
-  const float sc = scale.load(r);
-  for (int64_t c = threadIdx.x; c < half; c += blockDim.x) {
-    const float g = ld(x, r * 2 * half + c), u = ld(x, r * 2 * half + half + c);
-    st(y, r * half + c, g * (1.0f / (1.0f + expf(-g))) * u * sc);
-  }
-}
-
-// The value st() leaves in memory, as a float (for the amax of what was stored).
-__device__ __forceinline__ float stored(const float*, float v) { return v; }
-__device__ __forceinline__ float stored(const __nv_bfloat16*, float v) { return __bfloat162float(__float2bfloat16(v)); }
-
-// kAmax: also folds max |dx| (of the stored values) into *dx_amax, zeroed beforehand, the
-// statistic the FP8 cast of dx needs (saves the cast's separate amax pass over dx).
-template <typename T, bool kAmax>
-__global__ void swiglu_scaled_backward_kernel(const T* x, AnyPtr scale, const T* dy, T* dx, AnyPtr d_scale, int64_t half,
-                                              uint32_t* dx_amax) {
-  const int64_t r = blockIdx.x;
-  const float sc = scale.load(r);
-  float dot = 0;
-  uint32_t m = 0;
-  for (int64_t c = threadIdx.x; c < half; c += blockDim.x) {
-    const float g = ld(x, r * 2 * half + c), u = ld(x, r * 2 * half + half + c);
-    const float s = 1.0f / (1.0f + expf(-g)), d0 = ld(dy, r * half + c), d = d0 * sc;
-    dot += d0 * (g * s * u);
-    const float dg = d * u * s * (1.0f + g * (1.0f - s)), du = d * g * s;
-    st(dx, r * 2 * half + c, dg);
-    st(dx, r * 2 * half + half + c, du);
-    if constexpr (kAmax) m = max(m, max(fp8cvt::abs_bits(stored(dx, dg)), fp8cvt::abs_bits(stored(dx, du))));
-  }
-  dot = block_sum(dot);
-  if (threadIdx.x == 0) d_scale.store(r, dot);
-  if constexpr (kAmax) fp8cvt::block_atomic_max(m, dx_amax);
-}
-
 unsigned grid(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
-
-// Calls fn(float{}) or fn(__nv_bfloat16{}) by the dtype of t.
-template <typename Fn>
-void by_dtype(const Tensor& t, Fn&& fn) {
-  if (t.dtype() == DType::BF16) fn(__nv_bfloat16{});
-  else fn(float{});
-}
 
 }  // namespace
 
@@ -271,36 +213,6 @@ void moe_unpermute_backward(void* stream, const Tensor& expert_out, const Tensor
     unpermute_backward_kernel<T><<<static_cast<unsigned>(assignments), kThreads, 0, s>>>(
         expert_out.data<T>(), row_map.data<int32_t>(), any_ptr(probs), dy.data<T>(), d_expert_out.data<T>(),
         any_ptr(d_probs), k, width);
-  });
-  TESSERA_CUDA_CHECK_LAUNCH();
-}
-
-void moe_swiglu_scaled_forward(void* stream, const Tensor& x, const Tensor& scale, Tensor& y) {
-  auto s = static_cast<cudaStream_t>(stream);
-  const int64_t rows = x.size(0), half = x.size(1) / 2;
-  if (rows == 0 || half == 0) return;
-  by_dtype(x, [&](auto zero) {
-    using T = decltype(zero);
-    swiglu_scaled_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x.data<T>(), any_ptr(scale), y.data<T>(), half);
-  });
-  TESSERA_CUDA_CHECK_LAUNCH();
-}
-
-void moe_swiglu_scaled_backward(void* stream, const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx,
-                                Tensor& d_scale, Tensor* dx_amax) {
-  auto s = static_cast<cudaStream_t>(stream);
-  const int64_t rows = x.size(0), half = x.size(1) / 2;
-  uint32_t* amax_bits = dx_amax ? dx_amax->data<uint32_t>() : nullptr;
-  if (amax_bits) TESSERA_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(uint32_t), s));
-  if (rows == 0) return;
-  by_dtype(x, [&](auto zero) {
-    using T = decltype(zero);
-    if (amax_bits)
-      swiglu_scaled_backward_kernel<T, true><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
-          x.data<T>(), any_ptr(scale), dy.data<T>(), dx.data<T>(), any_ptr(d_scale), half, amax_bits);
-    else
-      swiglu_scaled_backward_kernel<T, false><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
-          x.data<T>(), any_ptr(scale), dy.data<T>(), dx.data<T>(), any_ptr(d_scale), half, nullptr);
   });
   TESSERA_CUDA_CHECK_LAUNCH();
 }
