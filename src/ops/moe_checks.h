@@ -1,0 +1,74 @@
+// Checks and the per-expert loop shared by the MoE op files (ops/moe.cpp, ops/moe_fp8.cpp).
+// Internal to src/ops.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tessera/core/context.h"
+#include "tessera/core/error.h"
+#include "tessera/core/tensor.h"
+#include "tessera/ops/moe.h"
+
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/stream_fan.h"
+#endif
+
+namespace tessera::moe_detail {
+
+inline void check_matrix(const Tensor& t, const char* op, const char* name) {
+  TESSERA_CHECK(t.defined() && t.dim() == 2 && t.is_contiguous(), op, ": ", name,
+                " must be a contiguous 2-D tensor, got ", t.defined() ? t.describe() : std::string("undefined"));
+}
+
+inline void check_float(const Tensor& t, const char* op, const char* name) {
+  TESSERA_CHECK(is_floating(t.dtype()), op, ": ", name, " must be floating point, got ", t.describe());
+}
+
+inline void check_shaped(const Tensor& t, const Shape& shape, const char* op, const char* name) {
+  TESSERA_CHECK(t.defined() && t.is_contiguous() && t.shape() == shape && is_floating(t.dtype()), op, ": ", name,
+                " must be a contiguous floating tensor of shape ", shape_to_string(shape), ", got ",
+                t.defined() ? t.describe() : std::string("undefined"));
+}
+
+inline void check_splits(const std::vector<int64_t>& splits, int64_t experts, int64_t rows, const char* op) {
+  TESSERA_CHECK(static_cast<int64_t>(splits.size()) == experts, op, ": ", splits.size(), " split sizes for ", experts,
+                " experts");
+  int64_t total = 0;
+  for (int64_t s : splits) {
+    TESSERA_CHECK(s >= 0, op, ": split sizes must be >= 0, got ", s);
+    total += s;
+  }
+  TESSERA_CHECK(total <= rows, op, ": split sizes sum to ", total, ", more than the ", rows, " rows");
+}
+
+// fn(expert_ctx, e, first_row) for every expert with rows, in expert order.
+template <typename Fn>
+void for_each_expert(Context& ctx, const std::vector<int64_t>& splits, Fn&& fn) {
+#if TESSERA_WITH_CUDA
+  int with_rows = 0;
+  for (int64_t s : splits) with_rows += s > 0;
+  if (ctx.device.is_cuda() && grouped_gemm_streams() > 1 && with_rows > 1) {
+    cuda::StreamFan fan(ctx.stream, ctx.device.index);
+    int64_t row = 0;
+    int i = 0;
+    for (size_t e = 0; e < splits.size(); ++e) {
+      if (splits[e] == 0) continue;
+      Context side{ctx.device, fan.side(i++ % grouped_gemm_streams())};
+      fn(side, e, row);
+      row += splits[e];
+    }
+    fan.join();
+    return;
+  }
+#endif
+  int64_t row = 0;
+  for (size_t e = 0; e < splits.size(); ++e) {
+    if (splits[e] == 0) continue;
+    fn(ctx, e, row);
+    row += splits[e];
+  }
+}
+
+}  // namespace tessera::moe_detail
