@@ -24,8 +24,12 @@
 // runs: loss.cu). Still short of the 85% goal: a row of 4096 is too short to keep enough
 // bytes in flight per SM. Warp-row forward (the default where it applies) and flat backward
 // (2026-11-30, seventh session): forward 67.6% (51.7% at x 768), backward 79.6% (65.5%).
-// Changed since, not measured yet: the backward's BF16 stores through the hardware
-// conversion (vec::store8: ~6 fewer instructions per element; same bits).
+// Since (ninth session, measured 16384 x 4096: forward 68.7% -> 87.3%, backward 88%): the
+// backward's BF16 stores through the hardware
+// conversion (vec::store8: ~6 fewer instructions per element; same bits); the forward's rows
+// that need more than 32 registers of a warp's lanes on two warps (kPairRows in
+// lse_warp_kernel: 4096 BF16 went from 95 registers a thread to the 64 of 8 blocks an SM;
+// the sum's order changes, see there).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -104,22 +108,45 @@ __global__ void __launch_bounds__(kLseMaxGroup)
 // stride a multiple of 8 and 16-byte aligned, held by G lanes of one warp (row_lse.cuh: one
 // merged (max, sum) butterfly, no barrier); 128-thread blocks of 128 / G rows. The target is
 // handled as in lse_rows_kernel (lane 0: index before the row, logit after its loads).
-template <typename T, typename Tg, int NV>
-__global__ void __launch_bounds__(warprow::kThreads, (warprow::min_blocks<T, NV>()))
+// kWarps = 2 (kPairRows): a row too long for 32 registers of a warp's lanes goes to two warps
+// (g = 32 each, 64 lanes a row, 2 rows a block), each merging its own (max, sum) and warp 0
+// adding warp 1's through shared memory. At 4096 BF16 a lane then holds 8 vectors instead of
+// 16: 95 registers (5 blocks, 20 warps an SM) became at most 64 (8 blocks, 32 warps), and a
+// warp's exp pass over its half row is half as long, so more rows' loads are in flight while
+// others compute. The sum's order changes with it (each lane adds half as many terms, then one
+// more merge): deterministic, within the tests' tolerance, not the one-warp kernel's bits.
+constexpr bool kPairRows = true;
+constexpr int kPairMinBlocks = 8;  // 64 registers: the pair shape is chosen for <= 32 of data
+
+template <typename T, typename Tg, int NV, int kWarps>
+__global__ void __launch_bounds__(warprow::kThreads, (kWarps == 1 ? warprow::min_blocks<T, NV>() : kPairMinBlocks))
     lse_warp_kernel(const T* logits, const Tg* targets, float* lse, double* terms, int64_t rows, int vocab,
                     int64_t ld, int64_t ignore_index, int g) {
+  static_assert(kWarps == 1 || kWarps == 2, "one or two warps a row");
   pdl_launch_dependents();  // the loss kernel may start; it waits before reading terms
-  const int lane = int(threadIdx.x) & (g - 1);
-  const int64_t row = int64_t(blockIdx.x) * (warprow::kThreads / g) + threadIdx.x / g;
+  const int span = kWarps == 1 ? g : 64;  // lanes a row
+  const int lane = int(threadIdx.x) & (span - 1);
+  const int64_t row = int64_t(blockIdx.x) * (warprow::kThreads / span) + threadIdx.x / span;
   const bool live = row < rows;
   const T* x = logits + (live ? row : 0) * ld;
   RowTarget target;
   if (live && lane == 0) target.fetch(targets, row);
   warprow::RegRow<T, NV> r;
-  r.load(x, live, lane, g, vocab);
+  r.load(x, live, lane, span, vocab);
   if (live && lane == 0) target.gather(x, vocab, ignore_index);
   float m, sum;
-  r.lse_online(g, m, sum);
+  r.lse_online(kWarps == 1 ? g : 32, m, sum);
+  if constexpr (kWarps == 2) {
+    __shared__ float pair_m[warprow::kThreads / 32], pair_s[warprow::kThreads / 32];
+    const int warp = int(threadIdx.x) >> 5;
+    if ((threadIdx.x & 31) == 0) pair_m[warp] = m, pair_s[warp] = sum;
+    __syncthreads();  // every thread reaches it: no return above
+    if (lane == 0) {  // warp 0 of the pair (lane 0 of the row), the same order for every row
+      const float mo = pair_m[warp + 1], so = pair_s[warp + 1], mn = vec::max_nan(m, mo);
+      sum = warprow::rescale(sum, m, mn) + warprow::rescale(so, mo, mn);
+      m = mn;
+    }
+  }
   if (!live || lane != 0) return;
   const float value = lse_value(m, sum);
   lse[row] = value;
@@ -205,11 +232,31 @@ bool forward_rows_in_registers(cudaStream_t s, const Tensor& logits, const Tenso
         tuning.cross_entropy_forward == 0 && vocab % kWidth == 0 && ld % kWidth == 0 && vec::aligned16(x)
             ? warprow::shape_for(vocab / kWidth, int(sizeof(vec::Packed8<T>) / 4), tuning.group)
             : warprow::Shape{};
+    const int unit_regs = int(sizeof(vec::Packed8<T>) / 4);
+    if (kPairRows && warp_shape.nv > 0 && tuning.group == 0 && warp_shape.group == 32 &&
+        warp_shape.nv * unit_regs > 32) {
+      // Two warps a row (see lse_warp_kernel): 32 registers of data a lane or fewer.
+      const int nv = warprow::round_nv(int((vocab / kWidth + 63) / 64));
+      const unsigned blocks = static_cast<unsigned>((rows + 1) / 2);
+      auto pair = [&](auto nv_tag) {
+        lse_warp_kernel<T, Tg, decltype(nv_tag)::value, 2><<<blocks, warprow::kThreads, 0, s>>>(
+            x, tg, lse.data<float>(), terms.data<double>(), rows, int(vocab), ld, ignore_index, 32);
+      };
+      if constexpr (sizeof(T) == 2) {
+        if (nv <= 6) pair(std::integral_constant<int, 6>{});
+        else pair(std::integral_constant<int, 8>{});
+      } else {
+        if (nv <= 3) pair(std::integral_constant<int, 3>{});
+        else pair(std::integral_constant<int, 4>{});
+      }
+      launched = true;
+      return;
+    }
     if (warp_shape.nv > 0) {
       const int per_block = warprow::kThreads / warp_shape.group;
       const unsigned blocks = static_cast<unsigned>((rows + per_block - 1) / per_block);
       warprow::dispatch_nv<warprow::max_nv<T>()>(warp_shape.nv, [&](auto nv_tag) {
-        lse_warp_kernel<T, Tg, decltype(nv_tag)::value><<<blocks, warprow::kThreads, 0, s>>>(
+        lse_warp_kernel<T, Tg, decltype(nv_tag)::value, 1><<<blocks, warprow::kThreads, 0, s>>>(
             x, tg, lse.data<float>(), terms.data<double>(), rows, int(vocab), ld, ignore_index, warp_shape.group);
       });
       launched = true;

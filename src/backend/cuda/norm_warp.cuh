@@ -41,9 +41,12 @@
 // 71% (59), add+LayerNorm 86% (71), RMSNorm 90% (82), add+RMSNorm 96% (82); backward at its
 // default LayerNorm 68% (67), with the residual 64% (64), RMSNorm 81% (81), with the residual
 // 71% (70): the backward is held by x, dy and the column partials all in registers.
-// Changed since, not measured yet: BF16 stores through the hardware conversion (one
+// Since (ninth session): BF16 stores through the hardware conversion (one
 // instruction a pair, numeric.h) and the parameter dtype fixed per row (with_param_kind),
-// ~8 fewer instructions per element in the forward's row path (SASS); same bits.
+// ~8 fewer instructions per element in the forward's row path (SASS); same bits. Then: the
+// forward's mean and mean square divided by C through div_cols (a multiplication when C is
+// a power of two, same bits). Measured after (H200, same shape and bench, 2026-11-30 ninth
+// session): LayerNorm forward 72.5% -> 81.4%, RMSNorm forward 96%, LayerNorm backward 80%.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -113,9 +116,10 @@ __device__ __forceinline__ void warp_row_sum(float (&v)[K], float (*shared)[K][k
 // Column of vector j of this thread (32-bit: a row that fits in registers is short).
 __device__ __forceinline__ int warp_row_col(int j, int vec) { return (j * int(blockDim.x) + int(threadIdx.x)) * vec; }
 
-// rstd from a float mean square, in double as the reference (once per row).
-__device__ __forceinline__ float rstd_of(float sum_squares, int64_t cols, double eps) {
-  return float(1.0 / sqrt(double(sum_squares) / double(cols) + eps));
+// rstd from a float mean square, in double as the reference (once per row); inv_cols from
+// pow2_reciprocal (the division becomes a multiplication, same bits, when it is exact).
+__device__ __forceinline__ float rstd_of(float sum_squares, int64_t cols, double inv_cols, double eps) {
+  return float(1.0 / sqrt(div_cols(double(sum_squares), cols, inv_cols) + eps));
 }
 
 // Vectors of row `row` this thread holds (zeros past the end of the row).
@@ -128,6 +132,11 @@ __device__ __forceinline__ void warp_row_load(const T* p, int64_t row, int64_t c
     dst[j] = c < int(cols) ? *reinterpret_cast<const uint4*>(p + row * cols + c) : make_uint4(0, 0, 0, 0);
   }
 }
+
+template <typename Sink>
+constexpr bool kStoresY = false;
+template <typename T>
+constexpr bool kStoresY<StoreY<T>> = true;
 
 // Row group g = blockIdx.x * blockDim.y + threadIdx.y normalizes rows g, g + G, ... (G =
 // groups in the grid: one row each, or with kPersistent a wave looping over the rows; its
@@ -144,6 +153,12 @@ __global__ void __launch_bounds__(kWarpRowThreads)
   __shared__ float red[kWarpRowMaxGroups][2][1][kWarpRowMaxWarps];
   const int ncols = int(cols);
   const int64_t groups = int64_t(gridDim.x) * blockDim.y;
+  // The divisions by C as multiplications only where that costs no occupancy (sm_90 SASS:
+  // at 1 and 2 vectors a lane 40-48 registers became 45-63, one block an SM fewer; at 16,
+  // in the persistent loop and with norm_fp8.cu's sink, a spill or a block fewer): 4 to 8
+  // vectors a lane, one row a group, y stored.
+  constexpr bool kExactReciprocal = !kPersistent && NV >= 4 && NV <= 8 && kStoresY<Sink>;
+  const double inv_cols = kExactReciprocal ? pow2_reciprocal(cols) : 0.0;
   int phase = 0;
   uint4 next_x[NP], next_r[kAdd ? NP : 1];
   int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -199,7 +214,7 @@ __global__ void __launch_bounds__(kWarpRowThreads)
     warp_row_sum(s, red[threadIdx.y], phase);
     float mu = 0.0f, r;
     if constexpr (kLayer) {
-      mu = __fdiv_rn(s[0], float(cols));
+      mu = div_cols(s[0], cols, inv_cols);
       float q[1] = {0.0f};
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
@@ -214,9 +229,9 @@ __global__ void __launch_bounds__(kWarpRowThreads)
         q[0] += p;
       }
       warp_row_sum(q, red[threadIdx.y], phase);
-      r = rstd_of(q[0], cols, eps);
+      r = rstd_of(q[0], cols, inv_cols, eps);
     } else {
-      r = rstd_of(s[0], cols, eps);
+      r = rstd_of(s[0], cols, inv_cols, eps);
     }
     if (threadIdx.x == 0) {
       if (kLayer) mean[row] = mu;

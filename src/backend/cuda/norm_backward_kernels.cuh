@@ -1,0 +1,262 @@
+// The LayerNorm/RMSNorm backward kernels, split from norm_kernels.cuh (which has the rules
+// they follow: layout, reduction order, rounding, the dgamma/dbeta worker scheme) and built
+// on its loads, stores and group_sum. Included through norm_kernels.cuh only; everything sits
+// in the same anonymous namespace, so each including .cu file instantiates what it launches.
+// Since the split: the fused RMSNorm backward loads its residual gradient before the row's
+// reduction (kEarlyResidual; same bits): 75% -> 98% of copy at 16384 x 4096 BF16 (H200,
+// ninth session). The LayerNorm backwards (80%, 70% with the residual) did not change.
+#pragma once
+
+#include "norm_kernels.cuh"
+
+namespace tessera::cuda {
+
+namespace {
+
+// Worker w = blockIdx.x * blockDim.y + threadIdx.y takes rows [rows*w/W, rows*(w+1)/W); all
+// workers step the same number of times so that narrow groups sharing a warp stay in step.
+// The next row's x, dy and statistics are loaded (as raw words) before the current row is
+// reduced and written, so each worker keeps two rows of loads in flight: with one, the loads
+// stall behind every row's reduction and the GPU runs well below its bandwidth.
+// dx is written after every read of its row, so dx may be the same memory as dy or x.
+// kAdd: dx = (the norm's dx rounded to T) + d_residual (null otherwise), read just before the
+// store by the same thread, so dx may also be d_residual.
+template <typename T, int VEC, int NV, bool kLayer, bool kAdd>
+__global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
+    norm_backward_kernel(const T* dy, const T* x, Param gamma, const float* mean, const float* rstd,
+                         const T* d_residual, T* dx, float* dgamma_part, float* dbeta_part, int64_t rows, int64_t cols,
+                         int64_t workers) {
+  __shared__ double red[2][2][32];
+  constexpr int W = kRawWords<T, VEC>;
+  const int64_t worker = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool live_worker = worker < workers;
+  const int64_t first = live_worker ? rows * worker / workers : 0;
+  const int64_t last = live_worker ? rows * (worker + 1) / workers : 0;
+  const int64_t steps = (rows + workers - 1) / workers;
+  const double inv_cols = 1.0 / double(cols);
+
+  // gamma is re-read for every row (an L1 hit) rather than held: the registers it would take
+  // decide whether two 512-thread blocks fit on a multiprocessor.
+  float acc_g[NV][VEC], acc_b[NV][VEC];
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc_g[j][k] = acc_b[j][k] = 0.0f;
+
+  // The prefetched row: raw x and dy words, and its statistics.
+  uint32_t raw_x[NV][W] = {}, raw_dy[NV][W] = {};
+  float next_mu = 0.0f, next_r = 0.0f;
+  auto fetch = [&](int64_t row) {
+    if (row >= last) return;
+    const int64_t base = row * cols;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+      if (c < cols) {
+        load_raw<T, VEC>(x + base + c, raw_x[j]);
+        load_raw<T, VEC>(dy + base + c, raw_dy[j]);
+      }
+    }
+    if (kLayer) next_mu = mean[row];
+    next_r = rstd[row];
+  };
+  fetch(first);
+
+#pragma unroll 1
+  for (int64_t step = 0; step < steps; ++step) {
+    const int64_t row = first + step;
+    const bool live = row < last;
+    const int64_t base = (live ? row : 0) * cols;
+    const float mu = kLayer && live ? next_mu : 0.0f, r = live ? next_r : 0.0f;
+    float xhat[NV][VEC], d[NV][VEC];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      unpack_raw<T, VEC>(raw_x[j], xhat[j]);
+      unpack_raw<T, VEC>(raw_dy[j], d[j]);
+    }
+    fetch(row + 1);
+    float gd[NV][VEC];       // g = dy * gamma per element; xhat overwrites x
+    double sums[2] = {0, 0};  // sum(g), sum(g * xhat)
+    // F32 adds every term in double, as the reference; BF16 adds a unit's terms in float
+    // first and converts once per unit (as the forward does).
+    constexpr bool kUnitPartials = !std::is_same_v<T, float> && VEC > 1;
+    with_param_kind<false>(gamma, gamma, [&](auto kind) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+        if (live && c < cols) {
+          float g[VEC];
+          [[maybe_unused]] float p0 = 0.0f, p1 = 0.0f;  // kUnitPartials only
+          load_param_as<decltype(kind)::value, VEC>(gamma, c, g);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float xh = kLayer ? __fmul_rn(__fsub_rn(xhat[j][k], mu), r) : __fmul_rn(xhat[j][k], r);
+            const float gk = __fmul_rn(d[j][k], g[k]);
+            if constexpr (kUnitPartials) {
+              if (kLayer) p0 += gk;
+              p1 = fmaf(gk, xh, p1);
+            } else {
+              if (kLayer) sums[0] = __dadd_rn(sums[0], double(gk));
+              sums[1] = fma(double(gk), double(xh), sums[1]);
+            }
+            acc_g[j][k] = fmaf(d[j][k], xh, acc_g[j][k]);
+            acc_b[j][k] += d[j][k];
+            xhat[j][k] = xh;
+            gd[j][k] = gk;
+          }
+          if constexpr (kUnitPartials) {
+            if (kLayer) sums[0] = __dadd_rn(sums[0], double(p0));
+            sums[1] = __dadd_rn(sums[1], double(p1));
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) xhat[j][k] = gd[j][k] = 0.0f;
+        }
+      }
+    });
+    // kEarlyResidual: this row's residual gradient, loaded before the reduction so that its
+    // latency overlaps the barrier instead of standing between the reduction and the store
+    // (the only load of a step not issued ahead). RMSNorm of two or more vectors a thread
+    // only: LayerNorm's backward is at the 128-register cap already and one vector a thread
+    // at the 64 of two blocks an SM, where the words would spill (sm_90: 16 to 24 bytes).
+    constexpr bool kEarlyResidual = kAdd && !kLayer && NV > 1;
+    uint32_t raw_dr[kEarlyResidual ? NV : 1][W];
+    if constexpr (kEarlyResidual) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+        if (live && c < cols) load_raw<T, VEC>(d_residual + base + c, raw_dr[j]);
+      }
+    }
+    group_sum(sums, red[step & 1]);
+    const float mean_g = float(sums[0] * inv_cols), mean_g_xhat = float(sums[1] * inv_cols);
+    if (!live) continue;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+      if (c >= cols) continue;
+      float out[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float t = __fmul_rn(xhat[j][k], mean_g_xhat);
+        out[k] =
+            kLayer ? __fmul_rn(r, __fsub_rn(__fsub_rn(gd[j][k], mean_g), t)) : __fmul_rn(r, __fsub_rn(gd[j][k], t));
+      }
+      if constexpr (kAdd) {
+        float dr[VEC];
+        if constexpr (kEarlyResidual) unpack_raw<T, VEC>(raw_dr[j], dr);
+        else load_vec<T, VEC>(d_residual + base + c, dr);
+        round_vec_to_storage<T, VEC>(out);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) out[k] = __fadd_rn(out[k], dr[k]);
+      }
+      store_vec<T, VEC>(dx + base + c, out);
+    }
+  }
+
+  if (!live_worker) return;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
+    if (c >= cols) continue;
+    store_vec<float, VEC>(dgamma_part + worker * cols + c, acc_g[j]);
+    if (kLayer && dbeta_part) store_vec<float, VEC>(dbeta_part + worker * cols + c, acc_b[j]);
+  }
+}
+
+// ---- Looping backward and the parameter-gradient columns ----------------------------------
+
+template <typename T, bool kLayer>
+__device__ __forceinline__ float xhat_of(const T* x, int64_t i, float mu, float r) {
+  const float v = load1(x, i);
+  return kLayer ? __fmul_rn(__fsub_rn(v, mu), r) : __fmul_rn(v, r);
+}
+
+// dx only; the parameter gradients come from norm_column_partials_kernel, launched first
+// because dx may overwrite dy.
+template <typename T, bool kLayer, bool kAdd>
+__global__ void __launch_bounds__(kWideThreads)
+    norm_backward_dx_wide_kernel(const T* dy, const T* x, Param gamma, const float* mean, const float* rstd,
+                                 const T* d_residual, T* dx, int64_t cols) {
+  __shared__ double red[1][2][32];
+  const int64_t base = int64_t(blockIdx.x) * cols;
+  const float mu = kLayer ? mean[blockIdx.x] : 0.0f, r = rstd[blockIdx.x];
+  double sums[2] = {0, 0};
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float xh = xhat_of<T, kLayer>(x, base + c, mu, r);
+    const float gk = __fmul_rn(load1(dy, base + c), load_param1(gamma, c));
+    if (kLayer) sums[0] = __dadd_rn(sums[0], double(gk));
+    sums[1] = fma(double(gk), double(xh), sums[1]);
+  }
+  group_sum(sums, red[0]);
+  const double inv_cols = 1.0 / double(cols);
+  const float mean_g = float(sums[0] * inv_cols), mean_g_xhat = float(sums[1] * inv_cols);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float xh = xhat_of<T, kLayer>(x, base + c, mu, r);
+    const float gk = __fmul_rn(load1(dy, base + c), load_param1(gamma, c));
+    const float t = __fmul_rn(xh, mean_g_xhat);
+    float out[1] = {kLayer ? __fmul_rn(r, __fsub_rn(__fsub_rn(gk, mean_g), t)) : __fmul_rn(r, __fsub_rn(gk, t))};
+    if constexpr (kAdd) out[0] = __fadd_rn(round_to_storage<T>(out[0]), load1(d_residual, base + c));
+    store_vec<T, 1>(dx + base + c, out);
+  }
+}
+
+// Thread = column, blockIdx.y = worker over rows [rows*w/W, rows*(w+1)/W): coalesced reads
+// of each row, one float partial per (worker, column).
+template <typename T, bool kLayer>
+__global__ void norm_column_partials_kernel(const T* dy, const T* x, const float* mean, const float* rstd,
+                                            float* dgamma_part, float* dbeta_part, int64_t rows, int64_t cols) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const int64_t worker = blockIdx.y, workers = gridDim.y;
+  float acc_g = 0.0f, acc_b = 0.0f;
+  for (int64_t row = rows * worker / workers; row < rows * (worker + 1) / workers; ++row) {
+    const float d = load1(dy, row * cols + c);
+    acc_g = fmaf(d, xhat_of<T, kLayer>(x, row * cols + c, kLayer ? mean[row] : 0.0f, rstd[row]), acc_g);
+    acc_b += d;
+  }
+  dgamma_part[worker * cols + c] = acc_g;
+  if (dbeta_part) dbeta_part[worker * cols + c] = acc_b;
+}
+
+// out[c] += sum over workers of part[w][c], for the parameter blockIdx.y (0: dgamma from
+// part, 1: dbeta from part + workers * cols): kFinalizeLanes lanes per column each add a
+// strided subset in order (four loads in flight), then one lane adds the lanes' sums in
+// order (a fixed order: deterministic). Like the reference, the sum is in double, added to
+// the old value in double and rounded once to float.
+constexpr int kFinalizeLanes = 16;
+__global__ void __launch_bounds__(32 * kFinalizeLanes)
+    column_finalize_kernel(const float* part, int64_t workers, int64_t cols, Param out0, Param out1) {
+  __shared__ double tile[kFinalizeLanes][33];
+  const Param out = blockIdx.y == 0 ? out0 : out1;
+  const float* p = part + int64_t(blockIdx.y) * workers * cols;
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  double s = 0;
+  if (c < cols) {
+    constexpr int L = kFinalizeLanes;
+    int64_t w = threadIdx.y;
+    for (; w + 3 * L < workers; w += 4 * L) {
+      const float a = p[w * cols + c], b = p[(w + L) * cols + c], e = p[(w + 2 * L) * cols + c],
+                  f = p[(w + 3 * L) * cols + c];
+      s += double(a);
+      s += double(b);
+      s += double(e);
+      s += double(f);
+    }
+    for (; w < workers; w += L) s += double(p[w * cols + c]);
+  }
+  tile[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  double total = 0;
+#pragma unroll
+  for (int k = 0; k < kFinalizeLanes; ++k) total += tile[k][threadIdx.x];
+  const float old = load_param1(out, c);
+  const float v = float(double(old) + total);
+  if (out.bf16) static_cast<uint16_t*>(out.ptr)[c] = float_to_bf16_bits(v);
+  else static_cast<float*>(out.ptr)[c] = v;
+}
+
+}  // namespace
+
+}  // namespace tessera::cuda
