@@ -208,12 +208,8 @@ void zero_padding(cudaStream_t s, const std::vector<int64_t>& splits, const std:
 template <bool kSwiglu>
 void launch_cast(cudaStream_t s, const Tensor& x, const Tensor& prob, const Tensor& scale,
                  const std::vector<int64_t>& splits, const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t) {
-  const int64_t rows = data.size(0), cols = data.size(1), width = data_t.size(1);
-  int64_t kept = 0;
-  for (int64_t v : splits) kept += v;
-  // Rows past the kept ones: zero codes (no GEMM reads them).
-  if (kept < rows && cols > 0)
-    TESSERA_CUDA_CHECK(cudaMemsetAsync(data.data<uint8_t>() + kept * cols, 0, size_t((rows - kept) * cols), s));
+  const int64_t cols = data.size(1), width = data_t.size(1);
+  const int64_t kept = zero_rows_past_splits(s, splits, data);
   if (kept == 0 || cols == 0) return;
   const ExpertTable table = make_table(splits, padded);
   const bool e4m3 = data.dtype() == DType::E4M3;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda_check.h"
 #include "moe_fp8.h"
 
 namespace tessera::cuda::moe_fp8_detail {
@@ -33,6 +34,18 @@ inline ExpertTable make_table(const std::vector<int64_t>& splits, const std::vec
   }
   return t;
 }
+
+// Zero codes in data's rows past the splits' sum (no GEMM reads them; the CPU path writes the
+// same); returns that sum, the rows the cast kernels cover.
+inline int64_t zero_rows_past_splits(cudaStream_t s, const std::vector<int64_t>& splits, Tensor& data) {
+  const int64_t rows = data.size(0), cols = data.size(1);
+  int64_t kept = 0;
+  for (int64_t v : splits) kept += v;
+  if (kept < rows && cols > 0)
+    TESSERA_CUDA_CHECK(cudaMemsetAsync(data.data<uint8_t>() + kept * cols, 0, size_t((rows - kept) * cols), s));
+  return kept;
+}
+
 
 // The padded column of row r < first_row[n] (the scalar kernel walks rows).
 __device__ __forceinline__ int64_t padded_column(const ExpertTable& t, int64_t r) {

@@ -31,7 +31,9 @@
 //   FP8 backward: pass 1 reads 6 B, pass 2 reads 6 B and writes 2 codes twice (row-wise and
 //   transposed) = 16 B -> 3.76 GB, ~917 us, against 18 B (~1.03 ms) for the BF16 backward
 //   then the cast (read dx 4, write 4).
-// Not measured yet.
+// Measured (H200, 2026-11-30, bench_bandwidth moe_swiglu, same run as the scalar kernels):
+// forward 338.5 us (1.79x the scalar 606.9), backward 690.7 us (1.23x 846.8, 90% of copy),
+// the FP8 backward's two passes 1607 us against 1788 for the BF16 backward then the cast.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -384,12 +386,8 @@ void moe_swiglu_scaled_backward_cast(void* stream, const Tensor& x, const Tensor
                                      const Tensor& fp8_scale, const std::vector<int64_t>& splits,
                                      const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t) {
   auto s = static_cast<cudaStream_t>(stream);
-  const int64_t rows = data.size(0), cols = data.size(1), half = cols / 2, width = data_t.size(1);
-  int64_t kept = 0;
-  for (int64_t v : splits) kept += v;
-  // Rows past the kept ones: zero codes (no GEMM reads them).
-  if (kept < rows && cols > 0)
-    TESSERA_CUDA_CHECK(cudaMemsetAsync(data.data<uint8_t>() + kept * cols, 0, size_t((rows - kept) * cols), s));
+  const int64_t cols = data.size(1), half = cols / 2, width = data_t.size(1);
+  const int64_t kept = zero_rows_past_splits(s, splits, data);
   if (kept == 0 || half == 0) return;
   const ExpertTable table = make_table(splits, padded);
   const int64_t across = (half + kVTile - 1) / kVTile, tiles = (width + kVTile - 1) / kVTile * across;
