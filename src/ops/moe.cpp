@@ -1,8 +1,6 @@
 #include "tessera/ops/moe.h"
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <numeric>
 
 #include "backend/cpu/moe.h"
@@ -255,10 +253,7 @@ void moe_unpermute_backward(Context& ctx, const Tensor& expert_out, const Tensor
 namespace {
 
 std::atomic<bool>& swiglu_legacy_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* v = std::getenv("TESSERA_MOE_LEGACY");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }()};
+  static std::atomic<bool> flag{legacy_from_environment()};
   return flag;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,13 @@
 #endif
 
 namespace tessera::moe_detail {
+
+// TESSERA_MOE_LEGACY=1: the MoE ops' older kernels (for timing them side by side); each
+// switch reads it once, at its first use.
+inline bool legacy_from_environment() {
+  const char* v = std::getenv("TESSERA_MOE_LEGACY");
+  return v != nullptr && std::string(v) == "1";
+}
 
 inline void check_matrix(const Tensor& t, const char* op, const char* name) {
   TESSERA_CHECK(t.defined() && t.dim() == 2 && t.is_contiguous(), op, ": ", name,

@@ -5,8 +5,6 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <variant>
@@ -173,10 +171,7 @@ MoEFp8Rows moe_fp8_quantize_rows(Context& ctx, const Tensor& x, const Tensor& x_
 namespace {
 
 std::atomic<bool>& legacy_weight_cast_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* v = std::getenv("TESSERA_MOE_LEGACY");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }()};
+  static std::atomic<bool> flag{legacy_from_environment()};
   return flag;
 }
 

@@ -69,16 +69,6 @@ __device__ __forceinline__ float value(const T* x, AnyPtr prob, int64_t r, int64
   else return load(x + r * cols + c);
 }
 
-// 16 bytes of BF16 as 8 floats.
-__device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    f[2 * k] = __uint_as_float(w[k] << 16);
-    f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-  }
-}
-
 // Any dtype, shape and alignment: rows [0, rows) (the kept ones), one element per thread.
 template <typename T, bool kSwiglu, bool kE4M3>
 __global__ void __launch_bounds__(kThreads)

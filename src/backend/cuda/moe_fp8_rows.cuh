@@ -35,6 +35,16 @@ inline ExpertTable make_table(const std::vector<int64_t>& splits, const std::vec
   return t;
 }
 
+// 16 bytes of BF16 as 8 floats (exact).
+__device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = __uint_as_float(w[k] << 16);
+    f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  }
+}
+
 // Zero codes in data's rows past the splits' sum (no GEMM reads them; the CPU path writes the
 // same); returns that sum, the rows the cast kernels cover.
 inline int64_t zero_rows_past_splits(cudaStream_t s, const std::vector<int64_t>& splits, Tensor& data) {

@@ -77,15 +77,7 @@ __device__ __forceinline__ float stored(const __nv_bfloat16*, float v) { return 
 
 __device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16(v)); }
 
-// 16 bytes of BF16 as 8 floats (exact), and 8 floats rounded to BF16 as 16 bytes.
-__device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    f[2 * k] = __uint_as_float(w[k] << 16);
-    f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-  }
-}
+// 8 floats rounded to BF16 as 16 bytes (unpack8, the way back, is in moe_fp8_rows.cuh).
 __device__ __forceinline__ uint4 pack8(const float* f) {
   uint32_t w[4];
 #pragma unroll
