@@ -225,7 +225,7 @@ void run(const Problem& pb, int runs) {
       cuda::attn::forward_variant_info(static_cast<int>(pb.D), variant, &info);
       desc = info.shape;
     }
-    if (variant == cuda::kDefaultAttentionForwardVariant) desc += " (default)";
+    if (variant == cuda::default_attention_forward_variant(pb.D)) desc += " (default)";
     CHECK_CUDA(cudaMemset(out.raw_data(), 0xff, out.nbytes()));
     CHECK_CUDA(cudaMemset(lse.raw_data(), 0xff, lse.nbytes()));
     auto f = [&] { cuda::attention_forward_fast(ctx.stream, q, k, v, out, lse, pb.causal, scale, variant); };

@@ -42,14 +42,21 @@ bool attention_fast_path(const Tensor& q, const Tensor& k, const Tensor& lse,
 // kLastAttentionForwardVariant are experiments on the D = 128 register problem in
 // attention_fwd_variants.cu (fewer rows per warp, Q in registers, 3-stage pipelines, a
 // cheaper online softmax). Numbers past the last run variant 0.
-// The default is variant 9 (variant 0's tiles with the cheaper softmax): measured on the H200
-// (2026-11-30, bench_attention 30) at B=4 H=32 T=4096 D=128 causal 311.7 TFLOP/s against
-// variant 0's 280.1, at D=64 214.9 against 200.1 (B=16 H=12 T=1024) and 261.1 against 240.0
-// (B=4 Hq=32 Hkv=8 T=2048); no other variant was faster at D=128 (variant 3: 302.2).
-inline constexpr int kLastAttentionForwardVariant = 15;
-inline constexpr int kDefaultAttentionForwardVariant = 9;
+// Variant 16 is the Hopper kernel on wgmma and TMA (attention_fwd_wgmma.cu); on other GPUs it
+// runs variant 9. The default (variant < 0) depends on the head dim, as measured on the H200
+// (2026-11-30, bench_attention 20, causal):
+//  - D = 128: variant 16, 438-456 TFLOP/s at B=4 H=32 T=4096 against variant 9's 309-313
+//    (variants 17 and 18 spill: 307 and 276);
+//  - D = 64: variant 9 (variant 0's tiles with a cheaper softmax), 220.0 at B=16 H=12
+//    T=1024 against variant 16's 200.4 (276.1 against 262.4 at B=4 Hq=32 Hkv=8 T=2048).
+// Variants 17 and 18 are the same kernel software-pipelined (the softmax of one key tile
+// beside the P V product of the previous one), 18 also with the two warpgroups taking turns
+// on the tensor cores (attention_fwd_variants.h, WgmmaMode).
+inline constexpr int kWgmmaForwardVariant = 16;
+inline constexpr int kLastAttentionForwardVariant = 18;
+inline int default_attention_forward_variant(int64_t head_dim) { return head_dim == 128 ? kWgmmaForwardVariant : 9; }
 void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                            Tensor& lse, bool causal, float scale, int variant = kDefaultAttentionForwardVariant);
+                            Tensor& lse, bool causal, float scale, int variant = -1);
 // deterministic: the dK/dV pass plus a separate dQ pass, bitwise repeatable (the default);
 // false: dQ accumulated inside the dK/dV pass with FP32 atomics into a scratch buffer and
 // converted at the end (FlashAttention-2's scheme: fewer products, faster, run-to-run

@@ -24,8 +24,9 @@
 // FlashAttention-2 backend 323, cuDNN 587); B=16 H=12 T=1024 D=64: 200 (FA2 148, cuDNN
 // 254). The D=128 kernel spills ~56 bytes (255 registers); wgmma is the next step.
 //
-// The default is variant 9 of attention_fwd_variants.cu (variant 0's shape with the cheaper
-// softmax below): 311.7 TFLOP/s at B=4 H=32 T=4096 D=128, 214.9 at D=64 (2026-11-30).
+// The default at D = 64 is variant 9 of attention_fwd_variants.cu (variant 0's shape with the
+// cheaper softmax below): 311.7 TFLOP/s at B=4 H=32 T=4096 D=128, 214.9 at D=64 (2026-11-30).
+// At D = 128 on Hopper the default is the wgmma kernel (attention_fwd_wgmma.cu, 456 TFLOP/s).
 // Variants 3-15 (attention_fwd_variants.cu) attack the D = 128 register
 // problem with one kernel template: MT = 1 with Q in registers (3-5, 10: 233/168 registers,
 // 0-24 bytes spilled, 2-3 blocks per SM), MT = 2 with 32-key tiles and a half, a quarter or
@@ -289,7 +290,10 @@ void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, cons
               scale * kLog2e,
               causal};
   auto s = static_cast<cudaStream_t>(stream);
+  if (variant < 0) variant = default_attention_forward_variant(D);
   if (variant > 2 && launch_forward_variant(s, p, static_cast<int>(D), variant, B * Hq, T)) return;
+  // The wgmma kernel declines GPUs other than Hopper: run the mma.sync default instead.
+  if (variant >= kWgmmaForwardVariant && launch_forward_variant(s, p, static_cast<int>(D), 9, B * Hq, T)) return;
   switch (variant) {
     case 1:  // 16 rows per warp, 8 warps, 64-key tiles
       if (D == 64) launch_forward<64, 1, 8, 64>(s, p, B * Hq, T);

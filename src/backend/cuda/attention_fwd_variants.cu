@@ -360,11 +360,14 @@ bool with_variant(int variant, Fn&& fn) {
 
 bool launch_forward_variant(cudaStream_t stream, const FwdParams& p, int D, int variant, int64_t batch_heads,
                             int64_t T) {
+  if (variant >= kWgmmaForwardVariant)
+    return launch_forward_wgmma(stream, p, D, variant - kWgmmaForwardVariant, batch_heads);
   auto run = [&](auto v, const char*) { decltype(v)::launch(stream, p, batch_heads, T); };
   return D == 64 ? with_variant<64>(variant, run) : with_variant<128>(variant, run);
 }
 
 bool forward_variant_info(int D, int variant, FwdVariantInfo* info) {
+  if (variant >= kWgmmaForwardVariant) return forward_wgmma_info(D, variant - kWgmmaForwardVariant, info);
   auto get = [&](auto v, const char* shape) {
     decltype(v)::info(info);
     info->shape = shape;

@@ -38,4 +38,15 @@ struct FwdVariantInfo {
 };
 bool forward_variant_info(int D, int variant, FwdVariantInfo* info);
 
+// The wgmma forward (attention_fwd_wgmma.cu) in its three schedules: variants
+// kWgmmaForwardVariant + mode (attention.h). False when this GPU cannot run it (not Hopper)
+// or D is not 64 / 128: the caller runs variant 9 instead.
+enum WgmmaMode : int {
+  kSerial = 0,     // each tile's two products waited for at once
+  kPipelined = 1,  // the softmax of tile n + 1 beside the P V product of tile n
+  kPingPong = 2,   // kPipelined, and the two warpgroups take turns issuing their products
+};
+bool launch_forward_wgmma(cudaStream_t stream, const FwdParams& p, int D, int mode, int64_t batch_heads);
+bool forward_wgmma_info(int D, int mode, FwdVariantInfo* info);
+
 }  // namespace tessera::cuda::attn

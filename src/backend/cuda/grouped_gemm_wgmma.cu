@@ -39,6 +39,7 @@
 #include "backend/cuda/grouped_gemm_wgmma.h"
 #include "backend/cuda/grouped_gemm_wgmma_device.cuh"
 #include "backend/cuda/sm90_ptx.cuh"
+#include "backend/cuda/tensor_map.h"
 
 namespace tessera::cuda {
 namespace {
@@ -263,37 +264,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda link).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled() {
-  static const EncodeTiledFn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    TESSERA_CUDA_CHECK(
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
-    TESSERA_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
-                  "grouped_gemm_wgmma: the driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<EncodeTiledFn>(p);
-  }();
-  return fn;
-}
-
-// A BF16 tensor map whose boxes land in shared memory with the 128-byte swizzle the wgmma
-// descriptors expect. dims / strides innermost first; strides in bytes, rank - 1 of them.
+// The BF16 tensor maps of x and w (tensor_map.h), named for error messages.
 CUtensorMap make_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
                             const cuuint32_t* box) {
-  CUtensorMap map{};
-  const cuuint32_t unit[3] = {1, 1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank),
-                                    const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TESSERA_CHECK(r == CUDA_SUCCESS, "grouped_gemm_wgmma: cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r),
-                ")");
-  return map;
+  return make_bf16_tensor_map(base, rank, dims, strides, box, "grouped_gemm_wgmma");
 }
 
 template <int BN, bool kDgrad, int kMode, bool kVecStore>

@@ -96,6 +96,15 @@ __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const void* 
       : "memory");
 }
 
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
 // ---- Clusters --------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t cluster_ctarank() {
@@ -179,6 +188,14 @@ template <int N>
 __device__ __forceinline__ void fence_registers(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The same for A-operand registers of a wgmma that reads A from registers: they must stay
+// live (not reused by the allocator) until the wait that retires that wgmma.
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 // The accumulator layout of m64nNk16 with FP32 D (PTX ISA, "Register Fragments"): thread t of
@@ -336,5 +353,51 @@ __device__ __forceinline__ void wgmma_m64n64k16_bf16_tb(float* d, uint64_t desc_
       : "memory");
 }
 
+
+// D[64 x N] (+)= A[64 x 16] * B[16 x N] with A in registers and B MN-major in shared memory
+// (its N contiguous, imm-trans-b = 1), N = 8 * kAcc / 4. A's four registers per thread hold
+// BF16 pairs in the accumulator layout above: a[0] = (row r, k 2c, 2c+1), a[1] = (row r + 8,
+// same k), a[2] = (row r, k 2c + 8, + 9), a[3] = (row r + 8, k 2c + 8, + 9), with c = t % 4.
+// So an FP32 accumulator block d[8j .. 8j + 7] of an earlier wgmma, converted pairwise,
+// is the A operand of k-slice j: attention's P V takes P straight from the score registers.
+#define TESSERA_WGMMA_RS_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+    "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+__device__ __forceinline__ void wgmma_m64n128k16_bf16_rs_tb(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc_b,
+                                                           int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
+      "}\n"
+      : TESSERA_WGMMA_RS_ACC8(0), TESSERA_WGMMA_RS_ACC8(8), TESSERA_WGMMA_RS_ACC8(16), TESSERA_WGMMA_RS_ACC8(24),
+        TESSERA_WGMMA_RS_ACC8(32), TESSERA_WGMMA_RS_ACC8(40), TESSERA_WGMMA_RS_ACC8(48), TESSERA_WGMMA_RS_ACC8(56)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_m64n64k16_bf16_rs_tb(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc_b,
+                                                          int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
+      "}\n"
+      : TESSERA_WGMMA_RS_ACC8(0), TESSERA_WGMMA_RS_ACC8(8), TESSERA_WGMMA_RS_ACC8(16), TESSERA_WGMMA_RS_ACC8(24)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+#undef TESSERA_WGMMA_RS_ACC8
 
 }  // namespace tessera::cuda::sm90

@@ -1,0 +1,420 @@
+// Attention forward on Hopper's warpgroup MMA (wgmma), for BF16 with head dim 64 or 128:
+// out = softmax(scale * Q K^T) V and lse = log-sum-exp of each score row, FP32 accumulation,
+// no T x S matrix in memory. Variant kWgmmaForwardVariant of attention_forward_fast.
+//
+// Layout as attention_fwd.cu: q, out [B, T, Hq, D]; k, v [B, S, Hkv, D]; lse [B, Hq, T] F32;
+// contiguous, 16-byte aligned; query head h reads kv head h / (Hq / Hkv); causal masking is
+// bottom-right aligned (query i sees keys j <= i + S - T).
+//
+// Structure (sm_90a): a CTA owns 128 query rows of one (batch, head) and is three
+// warpgroups and a producer warp. One thread of the producer warp loads tiles with TMA (4-D tensor maps over [B, T, H, D], 64-column boxes, 128-byte
+// swizzle; rows past T or S arrive as zeros): Q once, then K and V tiles of 128 keys into a
+// two-stage ring guarded by mbarriers (K and V on separate "full" barriers, so the scores
+// start before V lands). Each consumer warpgroup owns 64 query rows and, per key tile:
+//   S = Q K^T      8 (D = 128) or 4 wgmma m64n128k16 from shared memory, 64 FP32 a thread;
+//   online softmax in registers (scale, mask the edge tiles, row max over the quad of lanes
+//                  holding a row, exp2, row sums of the unrounded P, rescale O);
+//   O += P V       8 wgmma with A = P straight from the score registers (the accumulator
+//                  layout is wgmma's register-A layout once packed to BF16 pairs) and B = V
+//                  read MN-major (transpose bit) from shared memory;
+// then frees the stage (one arrival per consumer warp). The two consumer warpgroups run
+// independently, so one's softmax overlaps the other's MMAs. CTAs launch heaviest causal
+// query blocks first; tiles past the CTA's causal limit are never loaded.
+//
+// Floor: 4 * B * Hq * T * S * D FLOPs (half of it causal) over ~989 TFLOP/s BF16 dense.
+// Speed, H200 (2026-11-30, bench_attention 20, causal; bench/RESULTS.md): B=4 H=32 T=4096
+// D=128 438-456 TFLOP/s (44-46% of the peak), against the mma.sync default's 309-313 and
+// PyTorch's FlashAttention-2 backend's 315 in the same run (cuDNN: 584-602). At D = 64 it
+// is 198-200 (B=16 H=12 T=1024) and 268-276 (B=4 Hq=32 Hkv=8 T=2048), against 220-224 and
+// 262-263 for variant 9, which stays the D = 64 default.
+// The pipelined schedules (kPipelined, kPingPong: FlashAttention-3's overlaps) measured
+// slower, 307 and 276 TFLOP/s at D = 128, because they spill (see kThreads).
+#include <cuda.h>  // CUtensorMap
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "attention_common.cuh"
+#include "attention_fwd_variants.h"
+#include "backend/cuda/sm90_ptx.cuh"
+#include "backend/cuda/tensor_map.h"
+#include "cuda_check.h"
+
+namespace tessera::cuda::attn {
+
+namespace {
+
+using namespace sm90;
+
+constexpr int kWgRows = 64;                   // query rows per consumer warpgroup (wgmma's M)
+constexpr int kConsumers = 2;                 // consumer warpgroups
+constexpr int kBlockM = kWgRows * kConsumers;  // query rows per CTA
+constexpr int kBlockN = 128;                  // keys per tile
+// The producer is one warp, not a warpgroup. Registers are 168 a thread either way: the GPU
+// allocates them per warpgroup (288 threads count as 384: a kernel built for 186 registers
+// failed to launch), and ptxas kept the consumers of a 384-thread version at 168 too, with
+// setmaxnreg handing the producer's registers over. The pipelined schedules (O, the scores
+// and P live at once: ~180 needed) therefore spill ~200 bytes at D = 128.
+constexpr int kThreads = kConsumers * 128 + 32;
+constexpr int kStages = 2;
+
+template <int D>
+struct WgConfig {
+  static constexpr int kBoxes = D / 64;                   // 64-column TMA boxes across the head dim
+  static constexpr uint32_t kQBytes = kBlockM * D * 2;    // [box][128 rows][128 B]
+  static constexpr uint32_t kKVBytes = kBlockN * D * 2;   // one K or V tile, same arrangement
+  static constexpr uint32_t kQBox = kBlockM * 128;        // bytes of one Q box
+  static constexpr uint32_t kKVBox = kBlockN * 128;
+  // + 1 KiB so the tiles start on a 1024-byte boundary (the swizzle pattern's period).
+  static constexpr int kSmem = kQBytes + 2 * kStages * kKVBytes + 1024;
+};
+
+// The per-thread state of a consumer warpgroup's online softmax: rows row_a and row_a + 8.
+struct RowState {
+  float m[2] = {-INFINITY, -INFINITY};  // running max of the scaled (log2-domain) scores
+  float l[2] = {0.0f, 0.0f};            // this thread's part of the running sum of exp2
+};
+
+// S = Q K^T for one key tile, issued and committed (not waited for): both K-major; a K step
+// of 16 is +32 bytes inside a 128-byte swizzled row, and every 64 columns the next box.
+template <int D>
+__device__ __forceinline__ void issue_scores(float (&sc)[64], uint32_t q_rows, uint32_t s_k) {
+  using C = WgConfig<D>;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t box = kk / 4, in_row = (kk % 4) * 32;
+    wgmma_m64n128k16_bf16<0>(sc, make_desc_sw128(q_rows + box * C::kQBox + in_row),
+                             make_desc_sw128(s_k + box * C::kKVBox + in_row), kk > 0);
+  }
+  wgmma_commit();
+}
+
+// O += P V for one key tile, issued and committed: V is [keys][D] with D contiguous, so
+// MN-major; 16 keys further = 16 rows of 128 bytes = +2048 bytes, and the 64-column boxes
+// are kKVBox apart. P's k-slice j (keys 16 j ..) is pa[4 j .. 4 j + 3].
+template <int D>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[32], uint32_t s_v) {
+  using C = WgConfig<D>;
+  wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < kBlockN / 16; ++j) {
+    const uint64_t dv = make_desc_sw128_mn(s_v + j * 2048, C::kKVBox);
+    if constexpr (D == 128) {
+      wgmma_m64n128k16_bf16_rs_tb(o, pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3], dv, 1);
+    } else {
+      wgmma_m64n64k16_bf16_rs_tb(o, pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3], dv, 1);
+    }
+  }
+  wgmma_commit();
+}
+
+// Online softmax over one tile of scores (keys k0 ..): scale, mask, update the running max
+// and sums, turn sc into P = exp2(s - max). Returns in corr the factor O must be scaled by;
+// O itself is not touched (it may still be the target of an MMA in flight).
+// sc[i] is row row_a + 8 ((i / 2) % 2), key k0 + 8 (i / 4) + 2 (lane % 4) + i % 2; row r's
+// 32 scores of this thread are sc[4 j + 2 r + {0, 1}], the other 96 in the quad's lanes.
+__device__ __forceinline__ void softmax_tile(float (&sc)[64], RowState& st, float (&corr)[2], const FwdParams& p,
+                                             int k0, int row_a, int wg_first, int lane) {
+  const int S = p.S, diag = S - p.T;
+  // Scale first, then mask: a negative scale would turn a masked -inf into +inf.
+#pragma unroll
+  for (int i = 0; i < 64; ++i) sc[i] *= p.scale_log2;
+  if (k0 + kBlockN > S || (p.causal && k0 + kBlockN - 1 > wg_first + diag)) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int col = k0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+      const int row = row_a + 8 * ((i / 2) % 2);
+      if (col >= S || (p.causal && col > row + diag)) sc[i] = -INFINITY;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(st.m[r], mx);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing seen yet
+    corr[r] = exp2_approx(st.m[r] - m_use);
+    st.m[r] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      sc[4 * j + 2 * r] = exp2_approx(sc[4 * j + 2 * r] - m_use);
+      sc[4 * j + 2 * r + 1] = exp2_approx(sc[4 * j + 2 * r + 1] - m_use);
+      sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
+    }
+    st.l[r] = st.l[r] * corr[r] + sum;  // per-thread partial; the quad's parts are added at the end
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void rescale(float (&o)[N], const float (&corr)[2]) {
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+    o[4 * j] *= corr[0];
+    o[4 * j + 1] *= corr[0];
+    o[4 * j + 2] *= corr[1];
+    o[4 * j + 3] *= corr[1];
+  }
+}
+
+// P as BF16 A fragments: k-slice j is sc[8 j .. 8 j + 7] packed pairwise (sm90_ptx.cuh).
+__device__ __forceinline__ void pack_p(const float (&sc)[64], uint32_t (&pa)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) pa[i] = pack_bf16(sc[2 * i], sc[2 * i + 1]);
+}
+
+template <int D, int kMode>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_fwd_wgmma_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                               const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __trap();  // wgmma / setmaxnreg exist only on sm_90a; the host side checks the device.
+#else
+  using C = WgConfig<D>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t q_full;
+  __shared__ __align__(8) uint64_t k_full[kStages];
+  __shared__ __align__(8) uint64_t v_full[kStages];
+  __shared__ __align__(8) uint64_t kv_empty[kStages];
+
+  const uint32_t s_q = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t s_k0 = s_q + C::kQBytes;
+  const uint32_t s_v0 = s_k0 + kStages * C::kKVBytes;
+
+  const int bh = blockIdx.x, b = bh / p.Hq, h = bh % p.Hq, kvh = h / p.group;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBlockM;  // heaviest causal blocks first
+  const int T = p.T, S = p.S, diag = S - T;
+  // Keys [0, kv_end) are seen by at least one row of this CTA.
+  const int last_row = min(q0 + kBlockM, T) - 1;
+  const int kv_end = p.causal ? min(S, last_row + diag + 1) : S;
+  const int n_tiles = kv_end > 0 ? (kv_end + kBlockN - 1) / kBlockN : 0;
+
+  if (threadIdx.x == 0) {
+    mbar_init(smem_addr(&q_full), 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(smem_addr(&k_full[s]), 1);
+      mbar_init(smem_addr(&v_full[s]), 1);
+      mbar_init(smem_addr(&kv_empty[s]), kConsumers * 4);  // one arrival per consumer warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == kConsumers) {
+    if (threadIdx.x == kConsumers * 128) {
+      tma_prefetch_descriptor(&tm_q);
+      tma_prefetch_descriptor(&tm_k);
+      tma_prefetch_descriptor(&tm_v);
+      const uint32_t qf = smem_addr(&q_full);
+      mbar_arrive_expect_tx(qf, C::kQBytes);
+#pragma unroll
+      for (int j = 0; j < C::kBoxes; ++j) tma_load_4d(s_q + j * C::kQBox, &tm_q, qf, 64 * j, h, q0, b);
+      for (int n = 0; n < n_tiles; ++n) {
+        const int s = n % kStages;
+        const uint32_t phase = (n / kStages) & 1;
+        mbar_wait(smem_addr(&kv_empty[s]), phase ^ 1);  // first lap: passes at once
+        const uint32_t kf = smem_addr(&k_full[s]), vf = smem_addr(&v_full[s]);
+        mbar_arrive_expect_tx(kf, C::kKVBytes);
+#pragma unroll
+        for (int j = 0; j < C::kBoxes; ++j)
+          tma_load_4d(s_k0 + s * C::kKVBytes + j * C::kKVBox, &tm_k, kf, 64 * j, kvh, n * kBlockN, b);
+        mbar_arrive_expect_tx(vf, C::kKVBytes);
+#pragma unroll
+        for (int j = 0; j < C::kBoxes; ++j)
+          tma_load_4d(s_v0 + s * C::kKVBytes + j * C::kKVBox, &tm_v, vf, 64 * j, kvh, n * kBlockN, b);
+      }
+    }
+    return;
+  }
+
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int wg_first = q0 + wg * kWgRows;
+  const int row_a = wg_first + warp * 16 + lane / 4;  // the thread's rows: row_a and row_a + 8
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  RowState st;
+  float sc[64], corr[2];
+  uint32_t pa[32];
+
+  mbar_wait(smem_addr(&q_full), 0);
+  const uint32_t q_rows = s_q + wg * kWgRows * 128;  // this warpgroup's 64 rows of each Q box
+  auto k_tile = [&](int n) { return s_k0 + (n % kStages) * C::kKVBytes; };
+  auto v_tile = [&](int n) { return s_v0 + (n % kStages) * C::kKVBytes; };
+  auto phase = [](int n) { return static_cast<uint32_t>((n / kStages) & 1); };
+  auto release = [&](int n) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_addr(&kv_empty[n % kStages]));
+  };
+
+  if constexpr (kMode == kSerial) {
+    // Each tile's products waited for at once; the other warpgroup fills the gaps.
+    for (int n = 0; n < n_tiles; ++n) {
+      mbar_wait(smem_addr(&k_full[n % kStages]), phase(n));
+      issue_scores<D>(sc, q_rows, k_tile(n));
+      wgmma_wait<0>();
+      fence_registers(sc);
+      softmax_tile(sc, st, corr, p, n * kBlockN, row_a, wg_first, lane);
+      rescale(o, corr);
+      pack_p(sc, pa);
+      mbar_wait(smem_addr(&v_full[n % kStages]), phase(n));
+      issue_pv<D>(o, pa, v_tile(n));
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_registers(pa);
+      release(n);
+    }
+  } else if (n_tiles > 0) {
+    // Software-pipelined (FlashAttention-3's intra-warpgroup overlap): while P_n V_n runs on
+    // the tensor cores, this warpgroup already has S_{n+1} and computes its softmax. The
+    // two stages of the ring hold tiles n and n + 1 at once.
+    mbar_wait(smem_addr(&k_full[0]), 0);
+    issue_scores<D>(sc, q_rows, k_tile(0));
+    wgmma_wait<0>();
+    fence_registers(sc);
+    softmax_tile(sc, st, corr, p, 0, row_a, wg_first, lane);
+    pack_p(sc, pa);
+    // kPingPong: the two warpgroups take turns issuing their MMAs (named barriers 1 and 2,
+    // 256 threads: the waiting warpgroup's bar_sync and the other's bar_arrive), so one
+    // warpgroup's softmax runs while the other's products occupy the tensor cores
+    // (FlashAttention-3's inter-warpgroup schedule). Warpgroup 1 opens warpgroup 0's first
+    // turn; its own last turn hands nothing on, so no arrival is left pending at exit.
+    const int my_turn = 1 + wg, other_turn = 2 - wg;
+    if (kMode == kPingPong && wg == 1) bar_arrive(other_turn, 256);
+    for (int n = 0; n + 1 < n_tiles; ++n) {
+      mbar_wait(smem_addr(&k_full[(n + 1) % kStages]), phase(n + 1));
+      mbar_wait(smem_addr(&v_full[n % kStages]), phase(n));
+      if constexpr (kMode == kPingPong) bar_sync(my_turn, 256);
+      issue_scores<D>(sc, q_rows, k_tile(n + 1));
+      issue_pv<D>(o, pa, v_tile(n));
+      if constexpr (kMode == kPingPong) bar_arrive(other_turn, 256);
+      wgmma_wait<1>();  // S_{n+1} is done; P_n V_n may still run
+      fence_registers(sc);
+      softmax_tile(sc, st, corr, p, (n + 1) * kBlockN, row_a, wg_first, lane);
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_registers(pa);
+      release(n);
+      rescale(o, corr);
+      pack_p(sc, pa);
+    }
+    const int last = n_tiles - 1;
+    mbar_wait(smem_addr(&v_full[last % kStages]), phase(last));
+    if constexpr (kMode == kPingPong) bar_sync(my_turn, 256);
+    issue_pv<D>(o, pa, v_tile(last));
+    if (kMode == kPingPong && wg == 0) bar_arrive(other_turn, 256);
+    wgmma_wait<0>();
+    fence_registers(o);
+    fence_registers(pa);
+    release(last);
+  }
+
+  // Finish: the quad's partial row sums, out = O / l, lse = (m + log2 l) ln 2.
+  const int64_t q_stride = static_cast<int64_t>(p.Hq) * D;
+  const int c2 = 2 * (lane % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = st.l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int row = row_a + 8 * r;
+    if (row >= T) continue;
+    const float inv = 1.0f / sum;
+    bf16_t* dst = p.out + (static_cast<int64_t>(b) * T + row) * q_stride + static_cast<int64_t>(h) * D + c2;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    if (lane % 4 == 0) p.lse[static_cast<int64_t>(bh) * T + row] = (st.m[r] + log2f(sum)) * kLn2;
+  }
+#endif
+}
+
+// Hopper (compute capability 9.x) with the sm_90a code this file was built for.
+bool device_has_wgmma() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  return major == 9;
+}
+
+// The [B, rows, heads, D] tensor as a 4-D map (D innermost), boxes of 64 columns x 128 rows of
+// one head of one batch.
+CUtensorMap bhd_map(const void* base, int64_t batch, int64_t rows, int64_t heads, int D) {
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(D) * 2, static_cast<cuuint64_t>(heads * D) * 2,
+                                 static_cast<cuuint64_t>(rows * heads * D) * 2};
+  const cuuint32_t box[4] = {64, 1, 128, 1};
+  return make_bf16_tensor_map(base, 4, dims, strides, box, "attention forward (wgmma)");
+}
+
+template <int D, int kMode>
+void launch(cudaStream_t stream, const FwdParams& p, int64_t batch_heads) {
+  static_assert(kBlockM == 128 && kBlockN == 128, "bhd_map's boxes are 128 rows");
+  const int64_t batch = batch_heads / p.Hq;
+  const CUtensorMap tm_q = bhd_map(p.q, batch, p.T, p.Hq, D);
+  const CUtensorMap tm_k = bhd_map(p.k, batch, p.S, p.Hkv, D);
+  const CUtensorMap tm_v = bhd_map(p.v, batch, p.S, p.Hkv, D);
+  auto kernel = attention_fwd_wgmma_kernel<D, kMode>;
+  TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgConfig<D>::kSmem));
+  const dim3 grid(static_cast<unsigned>(batch_heads), static_cast<unsigned>((p.T + kBlockM - 1) / kBlockM));
+  kernel<<<grid, kThreads, WgConfig<D>::kSmem, stream>>>(tm_q, tm_k, tm_v, p);
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
+
+template <int D, int kMode>
+void info(FwdVariantInfo* out) {
+  cudaFuncAttributes a{};
+  auto kernel = attention_fwd_wgmma_kernel<D, kMode>;
+  constexpr int smem = WgConfig<D>::kSmem;
+  TESSERA_CUDA_CHECK(cudaFuncGetAttributes(&a, kernel));
+  TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int blocks = 0;
+  TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem));
+  out->shape = kMode == kSerial      ? "wgmma: 2 consumer warpgroups x 64 rows, 128 keys, TMA producer"
+                : kMode == kPipelined ? "wgmma, pipelined: softmax of tile n+1 beside P V of tile n"
+                                      : "wgmma, pipelined + ping-pong between the warpgroups";
+  out->registers = a.numRegs;
+  out->local_bytes = static_cast<int>(a.localSizeBytes);
+  out->smem_bytes = smem;
+  out->blocks_per_sm = blocks;
+}
+
+// Calls fn(integral_constant D, integral_constant mode) for the runtime pair.
+template <class Fn>
+void with_mode(int D, int mode, Fn&& fn) {
+  using std::integral_constant;
+  auto for_d = [&](auto d) {
+    if (mode == kSerial) fn(d, integral_constant<int, kSerial>{});
+    else if (mode == kPipelined) fn(d, integral_constant<int, kPipelined>{});
+    else fn(d, integral_constant<int, kPingPong>{});
+  };
+  if (D == 64) for_d(integral_constant<int, 64>{});
+  else for_d(integral_constant<int, 128>{});
+}
+
+}  // namespace
+
+bool launch_forward_wgmma(cudaStream_t stream, const FwdParams& p, int D, int mode, int64_t batch_heads) {
+  static const bool hopper = device_has_wgmma();
+  if (!hopper || (D != 64 && D != 128) || mode < kSerial || mode > kPingPong) return false;
+  auto run = [&](auto d, auto m) { launch<decltype(d)::value, decltype(m)::value>(stream, p, batch_heads); };
+  with_mode(D, mode, run);
+  return true;
+}
+
+bool forward_wgmma_info(int D, int mode, FwdVariantInfo* out) {
+  if ((D != 64 && D != 128) || mode < kSerial || mode > kPingPong) return false;
+  auto get = [&](auto d, auto m) { info<decltype(d)::value, decltype(m)::value>(out); };
+  with_mode(D, mode, get);
+  return true;
+}
+
+}  // namespace tessera::cuda::attn

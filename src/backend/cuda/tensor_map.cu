@@ -1,0 +1,44 @@
+// TMA tensor maps for the Hopper kernels (tensor_map.h).
+#include "backend/cuda/tensor_map.h"
+
+#include <cuda_runtime.h>
+
+#include "backend/cuda/cuda_check.h"
+#include "tessera/core/error.h"
+
+namespace tessera::cuda {
+namespace {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    TESSERA_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
+    TESSERA_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
+                  "TMA tensor maps: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap make_bf16_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                                 const cuuint32_t* box, const char* who) {
+  TESSERA_CHECK(rank >= 1 && rank <= 5, who, ": a tensor map has 1 to 5 dimensions, not ", rank);
+  CUtensorMap map{};
+  const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank),
+                                    const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TESSERA_CHECK(r == CUDA_SUCCESS, who, ": cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r), ")");
+  return map;
+}
+
+}  // namespace tessera::cuda

@@ -1,0 +1,19 @@
+// TMA tensor maps (CUtensorMap) for the Hopper kernels that load tiles with
+// cp.async.bulk.tensor: the grouped GEMM (grouped_gemm_wgmma.cu) and the wgmma attention
+// forward (attention_fwd_wgmma.cu). cuTensorMapEncodeTiled comes through the runtime's driver
+// entry point, so tessera does not link libcuda. CUDA translation units only.
+#pragma once
+
+#include <cuda.h>  // the CUtensorMap types only
+
+namespace tessera::cuda {
+
+// A BF16 tensor map whose boxes land in shared memory with the 128-byte swizzle the wgmma
+// descriptors of sm90_ptx.cuh expect (16-byte chunk c of box row r at chunk c ^ (r % 8)).
+// dims and box innermost first (rank 1 to 5; box[0] * 2 bytes must be at most 128); strides
+// in bytes, rank - 1 of them, each a multiple of 16. Elements outside dims are read as zero.
+// `who` names the caller in the error thrown when the driver refuses the map.
+CUtensorMap make_bf16_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                                 const cuuint32_t* box, const char* who);
+
+}  // namespace tessera::cuda
