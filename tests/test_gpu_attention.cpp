@@ -147,6 +147,41 @@ TEST(GpuAttention, TensorCorePathMatchesTheCpuReference) {
   for (const Case& c : kFastCases) check_case(c, DType::BF16, seed += 10);
 }
 
+// The Hopper forward's schedules alone (variants kWgmmaForwardVariant ..): on other GPUs they
+// run variant 9. Small enough to run under compute-sanitizer (TMA, mbarriers, wgmma). Several
+// key tiles per block (the two-stage ring wraps), partial tiles at both ends, GQA, a
+// negative scale, both head dims.
+TEST(GpuAttention, WgmmaForwardMatchesTheCpuReference) {
+  REQUIRE_GPU();
+#if TESSERA_WITH_CUDA
+  const std::vector<Case> cases = {
+      {"wgmma_causal_T300_gqa", 2, 300, 300, 4, 2, 128, true},
+      {"wgmma_noncausal_T129_S600_neg", 1, 129, 600, 2, 1, 128, false, -0.3f},
+      {"wgmma_causal_T70_S400", 1, 70, 400, 2, 2, 128, true},
+      {"wgmma_causal_T257_d64", 1, 257, 257, 4, 4, 64, true},
+  };
+  Context host = Context::cpu(), gpu = Context::cuda();
+  const Device cuda = Device::cuda();
+  uint64_t seed = 5100;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Tensor q = random_tensor(c.q_shape(), DType::BF16, seed += 10, -2.0f, 2.0f);
+    const Tensor k = random_tensor(c.kv_shape(), DType::BF16, seed + 1, -2.0f, 2.0f);
+    const Tensor v = random_tensor(c.kv_shape(), DType::BF16, seed + 2);
+    Tensor out = Tensor::empty(c.q_shape(), DType::BF16), lse = Tensor::empty(c.lse_shape(), DType::F32);
+    attention_forward(host, q, k, v, out, lse, c.options());
+    const float scale = c.scale != 0 ? c.scale : 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    for (int variant = cuda::kWgmmaForwardVariant; variant <= cuda::kLastAttentionForwardVariant; ++variant) {
+      Tensor g_out = poisoned_on_gpu(c.q_shape(), DType::BF16), g_lse = poisoned_on_gpu(c.lse_shape(), DType::F32);
+      cuda::attention_forward_fast(gpu.stream, q.to(cuda), k.to(cuda), v.to(cuda), g_out, g_lse, c.causal, scale,
+                                   variant);
+      EXPECT_LT(relative_error(cpu(g_out), out), 1e-2) << "out, variant " << variant;
+      EXPECT_LT(relative_error(cpu(g_lse), lse), 1e-4) << "lse, variant " << variant;
+    }
+  }
+#endif
+}
+
 // Sets attention_deterministic() for a scope and restores it afterwards (failing assertions too).
 struct DeterministicScope {
   bool saved = attention_deterministic();

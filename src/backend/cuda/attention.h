@@ -42,19 +42,20 @@ bool attention_fast_path(const Tensor& q, const Tensor& k, const Tensor& lse,
 // kLastAttentionForwardVariant are experiments on the D = 128 register problem in
 // attention_fwd_variants.cu (fewer rows per warp, Q in registers, 3-stage pipelines, a
 // cheaper online softmax). Numbers past the last run variant 0.
-// Variant 16 is the Hopper kernel on wgmma and TMA (attention_fwd_wgmma.cu); on other GPUs it
-// runs variant 9. The default (variant < 0) depends on the head dim, as measured on the H200
-// (2026-11-30, bench_attention 20, causal):
-//  - D = 128: variant 16, 438-456 TFLOP/s at B=4 H=32 T=4096 against variant 9's 309-313
-//    (variants 17 and 18 spill: 307 and 276);
-//  - D = 64: variant 9 (variant 0's tiles with a cheaper softmax), 220.0 at B=16 H=12
-//    T=1024 against variant 16's 200.4 (276.1 against 262.4 at B=4 Hq=32 Hkv=8 T=2048).
-// Variants 17 and 18 are the same kernel software-pipelined (the softmax of one key tile
-// beside the P V product of the previous one), 18 also with the two warpgroups taking turns
-// on the tensor cores (attention_fwd_variants.h, WgmmaMode).
+// Variants 16-19 are the Hopper kernel on wgmma and TMA (attention_fwd_wgmma.cu) in four
+// schedules (attention_fwd_variants.h, WgmmaMode): 16 serial, 17 software-pipelined (the
+// softmax of one key tile beside the P V product of the previous one), 18 pipelined with the
+// two warpgroups taking turns on the tensor cores, 19 serial with the scale folded into
+// exp2 and O rescaled only when a row max moved. On other GPUs they run variant 9.
+// The default (variant < 0) depends on the head dim, as measured on the H200 (2026-11-30,
+// bench_attention 20, causal, tenth session):
+//  - D = 128: variant 19, 455.0 TFLOP/s at B=4 H=32 T=4096 against 449.6 for 16 and 309.1
+//    for 9 in the same run (17 and 18 spill: 305 and 274);
+//  - D = 64: variant 9 (variant 0's tiles with a cheaper softmax), 221.3 at B=16 H=12 T=1024
+//    against 204.0 for 19 (but 258.7 against 271.6 at B=4 Hq=32 Hkv=8 T=2048).
 inline constexpr int kWgmmaForwardVariant = 16;
-inline constexpr int kLastAttentionForwardVariant = 18;
-inline int default_attention_forward_variant(int64_t head_dim) { return head_dim == 128 ? kWgmmaForwardVariant : 9; }
+inline constexpr int kLastAttentionForwardVariant = 19;
+inline int default_attention_forward_variant(int64_t head_dim) { return head_dim == 128 ? 19 : 9; }
 void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                             Tensor& lse, bool causal, float scale, int variant = -1);
 // deterministic: the dK/dV pass plus a separate dQ pass, bitwise repeatable (the default);

@@ -45,6 +45,7 @@ enum WgmmaMode : int {
   kSerial = 0,     // each tile's two products waited for at once
   kPipelined = 1,  // the softmax of tile n + 1 beside the P V product of tile n
   kPingPong = 2,   // kPipelined, and the two warpgroups take turns issuing their products
+  kSerialFolded = 3,  // kSerial with the scale folded into exp2 and O rescaled only when needed
 };
 bool launch_forward_wgmma(cudaStream_t stream, const FwdParams& p, int D, int mode, int64_t batch_heads);
 bool forward_wgmma_info(int D, int mode, FwdVariantInfo* info);

@@ -1,6 +1,7 @@
 // Attention forward on Hopper's warpgroup MMA (wgmma), for BF16 with head dim 64 or 128:
 // out = softmax(scale * Q K^T) V and lse = log-sum-exp of each score row, FP32 accumulation,
-// no T x S matrix in memory. Variant kWgmmaForwardVariant of attention_forward_fast.
+// no T x S matrix in memory. Variants 16-19 of attention_forward_fast (attention.h); 19 is
+// the default at D = 128 on Hopper.
 //
 // Layout as attention_fwd.cu: q, out [B, T, Hq, D]; k, v [B, S, Hkv, D]; lse [B, Hq, T] F32;
 // contiguous, 16-byte aligned; query head h reads kv head h / (Hq / Hkv); causal masking is
@@ -24,11 +25,12 @@
 // Floor: 4 * B * Hq * T * S * D FLOPs (half of it causal) over ~989 TFLOP/s BF16 dense.
 // Speed, H200 (2026-11-30, bench_attention 20, causal; bench/RESULTS.md): B=4 H=32 T=4096
 // D=128 438-456 TFLOP/s (44-46% of the peak), against the mma.sync default's 309-313 and
-// PyTorch's FlashAttention-2 backend's 315 in the same run (cuDNN: 584-602). At D = 64 it
-// is 198-200 (B=16 H=12 T=1024) and 268-276 (B=4 Hq=32 Hkv=8 T=2048), against 220-224 and
-// 262-263 for variant 9, which stays the D = 64 default.
+// PyTorch's FlashAttention-2 backend's 315 in the same run (cuDNN: 584-602). The default
+// schedule is kSerialFolded (variant 19: 455.0 against kSerial's 449.6 in one run). At
+// D = 64: 204 (B=16 H=12 T=1024) and 272 (B=4 Hq=32 Hkv=8 T=2048), against 221 and 259 for
+// variant 9, which stays the D = 64 default.
 // The pipelined schedules (kPipelined, kPingPong: FlashAttention-3's overlaps) measured
-// slower, 307 and 276 TFLOP/s at D = 128, because they spill (see kThreads).
+// slower, 305 and 274 TFLOP/s at D = 128, because they spill (see kThreads).
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
@@ -151,6 +153,47 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], RowState& st, floa
   }
 }
 
+// softmax_tile with the scale folded into the exponential: the row extreme is taken over
+// the raw scores and P = exp2(s * scale - max) is one FFMA per score, not a multiply and a
+// subtraction. kNeg (a negative scale): the largest scaled score is the smallest raw one,
+// and masked scores are set to +inf so that scaling turns them into -inf.
+template <bool kNeg>
+__device__ __forceinline__ void softmax_tile_folded(float (&sc)[64], RowState& st, float (&corr)[2],
+                                                    const FwdParams& p, int k0, int row_a, int wg_first, int lane) {
+  const int S = p.S, diag = S - p.T;
+  const float sl = p.scale_log2;
+  constexpr float kMasked = kNeg ? INFINITY : -INFINITY;
+  if (k0 + kBlockN > S || (p.causal && k0 + kBlockN - 1 > wg_first + diag)) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int col = k0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+      const int row = row_a + 8 * ((i / 2) % 2);
+      if (col >= S || (p.causal && col > row + diag)) sc[i] = kMasked;
+    }
+  }
+  auto extreme = [](float a, float b) { return kNeg ? fminf(a, b) : fmaxf(a, b); };
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float e = kMasked;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) e = extreme(e, extreme(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+    e = extreme(e, __shfl_xor_sync(0xffffffffu, e, 1));
+    e = extreme(e, __shfl_xor_sync(0xffffffffu, e, 2));
+    const float m_new = fmaxf(st.m[r], e * sl);  // fully masked so far: -inf
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+    corr[r] = exp2_approx(st.m[r] - m_use);
+    st.m[r] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      sc[4 * j + 2 * r] = exp2_approx(fmaf(sc[4 * j + 2 * r], sl, -m_use));
+      sc[4 * j + 2 * r + 1] = exp2_approx(fmaf(sc[4 * j + 2 * r + 1], sl, -m_use));
+      sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
+    }
+    st.l[r] = st.l[r] * corr[r] + sum;
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void rescale(float (&o)[N], const float (&corr)[2]) {
 #pragma unroll
@@ -254,15 +297,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(smem_addr(&kv_empty[n % kStages]));
   };
 
-  if constexpr (kMode == kSerial) {
+  if constexpr (kMode == kSerial || kMode == kSerialFolded) {
     // Each tile's products waited for at once; the other warpgroup fills the gaps.
     for (int n = 0; n < n_tiles; ++n) {
       mbar_wait(smem_addr(&k_full[n % kStages]), phase(n));
       issue_scores<D>(sc, q_rows, k_tile(n));
       wgmma_wait<0>();
       fence_registers(sc);
-      softmax_tile(sc, st, corr, p, n * kBlockN, row_a, wg_first, lane);
-      rescale(o, corr);
+      if constexpr (kMode == kSerial) {
+        softmax_tile(sc, st, corr, p, n * kBlockN, row_a, wg_first, lane);
+        rescale(o, corr);
+      } else {
+        if (p.scale_log2 < 0.0f) softmax_tile_folded<true>(sc, st, corr, p, n * kBlockN, row_a, wg_first, lane);
+        else softmax_tile_folded<false>(sc, st, corr, p, n * kBlockN, row_a, wg_first, lane);
+        // O needs rescaling only when some row's max moved (exp2(0) is exactly 1).
+        if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) rescale(o, corr);
+      }
       pack_p(sc, pa);
       mbar_wait(smem_addr(&v_full[n % kStages]), phase(n));
       issue_pv<D>(o, pa, v_tile(n));
@@ -378,9 +428,10 @@ void info(FwdVariantInfo* out) {
   TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int blocks = 0;
   TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem));
-  out->shape = kMode == kSerial      ? "wgmma: 2 consumer warpgroups x 64 rows, 128 keys, TMA producer"
-                : kMode == kPipelined ? "wgmma, pipelined: softmax of tile n+1 beside P V of tile n"
-                                      : "wgmma, pipelined + ping-pong between the warpgroups";
+  out->shape = kMode == kSerial        ? "wgmma: 2 consumer warpgroups x 64 rows, 128 keys, TMA producer"
+                : kMode == kPipelined   ? "wgmma, pipelined: softmax of tile n+1 beside P V of tile n"
+                : kMode == kPingPong    ? "wgmma, pipelined + ping-pong between the warpgroups"
+                                        : "wgmma, serial, scale folded into exp2, O rescaled when needed";
   out->registers = a.numRegs;
   out->local_bytes = static_cast<int>(a.localSizeBytes);
   out->smem_bytes = smem;
@@ -394,7 +445,8 @@ void with_mode(int D, int mode, Fn&& fn) {
   auto for_d = [&](auto d) {
     if (mode == kSerial) fn(d, integral_constant<int, kSerial>{});
     else if (mode == kPipelined) fn(d, integral_constant<int, kPipelined>{});
-    else fn(d, integral_constant<int, kPingPong>{});
+    else if (mode == kPingPong) fn(d, integral_constant<int, kPingPong>{});
+    else fn(d, integral_constant<int, kSerialFolded>{});
   };
   if (D == 64) for_d(integral_constant<int, 64>{});
   else for_d(integral_constant<int, 128>{});
@@ -404,14 +456,14 @@ void with_mode(int D, int mode, Fn&& fn) {
 
 bool launch_forward_wgmma(cudaStream_t stream, const FwdParams& p, int D, int mode, int64_t batch_heads) {
   static const bool hopper = device_has_wgmma();
-  if (!hopper || (D != 64 && D != 128) || mode < kSerial || mode > kPingPong) return false;
+  if (!hopper || (D != 64 && D != 128) || mode < kSerial || mode > kSerialFolded) return false;
   auto run = [&](auto d, auto m) { launch<decltype(d)::value, decltype(m)::value>(stream, p, batch_heads); };
   with_mode(D, mode, run);
   return true;
 }
 
 bool forward_wgmma_info(int D, int mode, FwdVariantInfo* out) {
-  if ((D != 64 && D != 128) || mode < kSerial || mode > kPingPong) return false;
+  if ((D != 64 && D != 128) || mode < kSerial || mode > kSerialFolded) return false;
   auto get = [&](auto d, auto m) { info<decltype(d)::value, decltype(m)::value>(out); };
   with_mode(D, mode, get);
   return true;
