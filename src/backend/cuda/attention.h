@@ -46,7 +46,9 @@ bool attention_fast_path(const Tensor& q, const Tensor& k, const Tensor& lse,
 // schedules (attention_fwd_variants.h, WgmmaMode): 16 serial, 17 software-pipelined (the
 // softmax of one key tile beside the P V product of the previous one), 18 pipelined with the
 // two warpgroups taking turns on the tensor cores, 19 serial with the scale folded into
-// exp2 and O rescaled only when a row max moved. On other GPUs they run variant 9.
+// exp2 and O rescaled only when a row max moved; 20-23 are 17 and 18 on 96- and 80-key tiles
+// (fewer live registers; measured 270-309 at D = 128, slower than 19). On other GPUs they
+// run variant 9.
 // The default (variant < 0) depends on the head dim, as measured on the H200 (2026-11-30,
 // bench_attention 20, causal, tenth session):
 //  - D = 128: variant 19, 455.0 TFLOP/s at B=4 H=32 T=4096 against 449.6 for 16 and 309.1
@@ -54,7 +56,7 @@ bool attention_fast_path(const Tensor& q, const Tensor& k, const Tensor& lse,
 //  - D = 64: variant 9 (variant 0's tiles with a cheaper softmax), 221.3 at B=16 H=12 T=1024
 //    against 204.0 for 19 (but 258.7 against 271.6 at B=4 Hq=32 Hkv=8 T=2048).
 inline constexpr int kWgmmaForwardVariant = 16;
-inline constexpr int kLastAttentionForwardVariant = 19;
+inline constexpr int kLastAttentionForwardVariant = 23;
 inline int default_attention_forward_variant(int64_t head_dim) { return head_dim == 128 ? 19 : 9; }
 void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                             Tensor& lse, bool causal, float scale, int variant = -1);

@@ -47,7 +47,9 @@ enum WgmmaMode : int {
   kPingPong = 2,   // kPipelined, and the two warpgroups take turns issuing their products
   kSerialFolded = 3,  // kSerial with the scale folded into exp2 and O rescaled only when needed
 };
-bool launch_forward_wgmma(cudaStream_t stream, const FwdParams& p, int D, int mode, int64_t batch_heads);
-bool forward_wgmma_info(int D, int mode, FwdVariantInfo* info);
+// schedule = variant - kWgmmaForwardVariant: 0-3 the modes above on 128-key tiles; 4, 5
+// kPipelined and kPingPong on 96-key tiles; 6, 7 the same on 80-key tiles.
+bool launch_forward_wgmma(cudaStream_t stream, const FwdParams& p, int D, int schedule, int64_t batch_heads);
+bool forward_wgmma_info(int D, int schedule, FwdVariantInfo* info);
 
 }  // namespace tessera::cuda::attn

@@ -400,4 +400,59 @@ __device__ __forceinline__ void wgmma_m64n64k16_bf16_rs_tb(float (&d)[32], uint3
 }
 #undef TESSERA_WGMMA_RS_ACC8
 
+// D[64 x N] (+)= A[64 x 16] * B[N x 16]^T, both K-major in shared memory (descriptors), for the
+// narrower N of attention's key tiles (N / 2 FP32 accumulators a thread).
+#define TESSERA_WGMMA_SS_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+    "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+__device__ __forceinline__ void wgmma_m64n96k16_bf16_ss(float (&d)[48], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %50, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+      "}, %48, %49, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : TESSERA_WGMMA_SS_ACC8(0), TESSERA_WGMMA_SS_ACC8(8), TESSERA_WGMMA_SS_ACC8(16), TESSERA_WGMMA_SS_ACC8(24), TESSERA_WGMMA_SS_ACC8(32), TESSERA_WGMMA_SS_ACC8(40)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_m64n80k16_bf16_ss(float (&d)[40], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %42, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39"
+      "}, %40, %41, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : TESSERA_WGMMA_SS_ACC8(0), TESSERA_WGMMA_SS_ACC8(8), TESSERA_WGMMA_SS_ACC8(16), TESSERA_WGMMA_SS_ACC8(24), TESSERA_WGMMA_SS_ACC8(32)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : TESSERA_WGMMA_SS_ACC8(0), TESSERA_WGMMA_SS_ACC8(8), TESSERA_WGMMA_SS_ACC8(16), TESSERA_WGMMA_SS_ACC8(24)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+#undef TESSERA_WGMMA_SS_ACC8
+
 }  // namespace tessera::cuda::sm90
