@@ -264,11 +264,8 @@ void set_moe_swiglu_legacy(bool legacy) { swiglu_legacy_flag().store(legacy, std
 
 void moe_swiglu_scaled_forward(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& y) {
   const char* op = "moe_swiglu_scaled_forward";
-  check_matrix(x, op, "x");
-  check_float(x, op, "x");
-  TESSERA_CHECK(x.size(1) % 2 == 0, op, ": x must be [M, 2F], got ", x.describe());
-  check_shaped(scale, {x.size(0)}, op, "scale");
-  check_shaped(y, {x.size(0), x.size(1) / 2}, op, "y");
+  const int64_t f = check_swiglu_input(x, scale, op);
+  check_shaped(y, {x.size(0), f}, op, "y");
   check_on_device(ctx, op, {&x, &scale, &y});
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
@@ -285,11 +282,8 @@ void moe_swiglu_scaled_forward(Context& ctx, const Tensor& x, const Tensor& scal
 void moe_swiglu_scaled_backward(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy, Tensor& dx,
                                 Tensor& d_scale, Tensor* dx_amax) {
   const char* op = "moe_swiglu_scaled_backward";
-  check_matrix(x, op, "x");
-  check_float(x, op, "x");
-  TESSERA_CHECK(x.size(1) % 2 == 0, op, ": x must be [M, 2F], got ", x.describe());
-  check_shaped(scale, {x.size(0)}, op, "scale");
-  check_shaped(dy, {x.size(0), x.size(1) / 2}, op, "dy");
+  const int64_t f = check_swiglu_input(x, scale, op);
+  check_shaped(dy, {x.size(0), f}, op, "dy");
   check_shaped(dx, x.shape(), op, "dx");
   check_shaped(d_scale, {x.size(0)}, op, "d_scale");
   if (dx_amax)

@@ -40,6 +40,16 @@ inline void check_shaped(const Tensor& t, const Shape& shape, const char* op, co
                 t.defined() ? t.describe() : std::string("undefined"));
 }
 
+// The routing-scaled SwiGLU ops all take x [M, 2F] (gate and up halves side by side) with one
+// routing probability per row; returns F, the width of their h / dy.
+inline int64_t check_swiglu_input(const Tensor& x, const Tensor& scale, const char* op) {
+  check_matrix(x, op, "x");
+  check_float(x, op, "x");
+  TESSERA_CHECK(x.size(1) % 2 == 0, op, ": x must be [M, 2F], got ", x.describe());
+  check_shaped(scale, {x.size(0)}, op, "scale");
+  return x.size(1) / 2;
+}
+
 inline void check_splits(const std::vector<int64_t>& splits, int64_t experts, int64_t rows, const char* op) {
   TESSERA_CHECK(static_cast<int64_t>(splits.size()) == experts, op, ": ", splits.size(), " split sizes for ", experts,
                 " experts");

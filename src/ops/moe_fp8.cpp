@@ -239,10 +239,7 @@ MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std:
 
 void moe_swiglu_scaled_amax(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& amax_out) {
   const char* op = "moe_swiglu_scaled_amax";
-  check_matrix(x, op, "x");
-  check_float(x, op, "x");
-  TESSERA_CHECK(x.size(1) % 2 == 0, op, ": x must be [M, 2F], got ", x.describe());
-  check_shaped(scale, {x.size(0)}, op, "scale");
+  const int64_t f = check_swiglu_input(x, scale, op);
   check_scale1(amax_out, op, "amax_out");
   check_on_device(ctx, op, {&x, &scale, &amax_out});
   if (ctx.device.is_cuda()) {
@@ -255,7 +252,7 @@ void moe_swiglu_scaled_amax(Context& ctx, const Tensor& x, const Tensor& scale, 
     fail_no_kernel(op, ctx);
   }
   // The reference: h in float (the CPU op's compute type for F32/BF16 x), then its amax.
-  Tensor h = Tensor::empty({x.size(0), x.size(1) / 2}, DType::F32);
+  Tensor h = Tensor::empty({x.size(0), f}, DType::F32);
   cpu::moe_swiglu_scaled_forward(x, scale, h);
   amax(ctx, h, amax_out);
 }
@@ -263,15 +260,12 @@ void moe_swiglu_scaled_amax(Context& ctx, const Tensor& x, const Tensor& scale, 
 MoEFp8Rows moe_swiglu_scaled_cast(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& fp8_scale,
                                   const std::vector<int64_t>& splits, DType fp8) {
   const char* op = "moe_swiglu_scaled_cast";
-  check_matrix(x, op, "x");
-  check_float(x, op, "x");
-  TESSERA_CHECK(x.size(1) % 2 == 0, op, ": x must be [M, 2F], got ", x.describe());
-  check_shaped(scale, {x.size(0)}, op, "scale");
+  const int64_t f = check_swiglu_input(x, scale, op);
   check_fp8_dtype(fp8, op);
   check_scale1(fp8_scale, op, "fp8_scale");
   check_splits(splits, static_cast<int64_t>(splits.size()), x.size(0), op);
   check_on_device(ctx, op, {&x, &scale, &fp8_scale});
-  MoEFp8Rows q = empty_rows(ctx, x.size(0), x.size(1) / 2, splits, fp8);
+  MoEFp8Rows q = empty_rows(ctx, x.size(0), f, splits, fp8);
   q.scale_inv = reciprocal_scale(ctx, fp8_scale, op);
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
@@ -283,7 +277,7 @@ MoEFp8Rows moe_swiglu_scaled_cast(Context& ctx, const Tensor& x, const Tensor& s
 #endif
     fail_no_kernel(op, ctx);
   }
-  Tensor h = Tensor::empty({x.size(0), x.size(1) / 2}, DType::F32);
+  Tensor h = Tensor::empty({x.size(0), f}, DType::F32);
   cpu::moe_swiglu_scaled_forward(x, scale, h);
   quantize_per_tensor(ctx, h, fp8_scale, q.data);
   zero_unkept_rows(q.data, splits);
@@ -302,11 +296,8 @@ MoEFp8Rows moe_swiglu_scaled_backward_quantize(Context& ctx, const Tensor& x, co
                                                const std::vector<int64_t>& splits, DType fp8, const MoEFp8Options& o,
                                                Tensor& d_scale) {
   const char* op = "moe_swiglu_scaled_backward_quantize";
-  check_matrix(x, op, "x");
-  check_float(x, op, "x");
-  TESSERA_CHECK(x.size(1) % 2 == 0, op, ": x must be [M, 2F], got ", x.describe());
-  check_shaped(scale, {x.size(0)}, op, "scale");
-  check_shaped(dy, {x.size(0), x.size(1) / 2}, op, "dy");
+  const int64_t f = check_swiglu_input(x, scale, op);
+  check_shaped(dy, {x.size(0), f}, op, "dy");
   check_shaped(d_scale, {x.size(0)}, op, "d_scale");
   check_fp8_dtype(fp8, op);
   check_splits(splits, static_cast<int64_t>(splits.size()), x.size(0), op);
