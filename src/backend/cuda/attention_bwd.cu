@@ -159,6 +159,29 @@ __device__ __forceinline__ void dq_step_atomic(const BwdParams& p, uint32_t s_ds
   }
 }
 
+// The end of a dK/dV kernel (the legacy one below and attention_bwd_dkdv_v2.cuh): the warp's
+// FP32 sums of its keys key_a and key_b (accumulator rows g and g + 8) as BF16, dK scaled.
+template <int D>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const float (&dk)[D / 8][4],
+                                            const float (&dv)[D / 8][4], int b, int kvh, int key_a, int key_b,
+                                            int lane) {
+  const int S = p.S;
+  const int64_t kv_stride = static_cast<int64_t>(p.Hkv) * D;
+  const int64_t head = static_cast<int64_t>(kvh) * D + 2 * (lane & 3);
+  const int keys[2] = {key_a, key_b};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (keys[half] >= S) continue;
+    const int64_t row = (static_cast<int64_t>(b) * S + keys[half]) * kv_stride + head;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int e = 2 * half;
+      *reinterpret_cast<uint32_t*>(p.dk + row + dt * 8) = pack_bf16(dk[dt][e] * p.scale, dk[dt][e + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(p.dv + row + dt * 8) = pack_bf16(dv[dt][e], dv[dt][e + 1]);
+    }
+  }
+}
+
 // kAtomicDq: also dQ += dS K per step, dS staged through shared memory and the block's
 // 64 x D partial added to p.dq_accum with FP32 atomics (no separate dQ pass, not
 // bitwise repeatable). kAtomicDq = false is the deterministic kernel, unchanged.
@@ -308,24 +331,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) attention_dkdv_kernel(const Bw
     __syncthreads();
   }
 
-  const int col0 = 2 * (lane & 3);
-  const int64_t head = static_cast<int64_t>(kvh) * D + col0;
-  if (key_a < S) {
-    const int64_t row = (static_cast<int64_t>(b) * S + key_a) * kv_stride + head;
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      *reinterpret_cast<uint32_t*>(p.dk + row + dt * 8) = pack_bf16(dk[dt][0] * p.scale, dk[dt][1] * p.scale);
-      *reinterpret_cast<uint32_t*>(p.dv + row + dt * 8) = pack_bf16(dv[dt][0], dv[dt][1]);
-    }
-  }
-  if (key_b < S) {
-    const int64_t row = (static_cast<int64_t>(b) * S + key_b) * kv_stride + head;
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      *reinterpret_cast<uint32_t*>(p.dk + row + dt * 8) = pack_bf16(dk[dt][2] * p.scale, dk[dt][3] * p.scale);
-      *reinterpret_cast<uint32_t*>(p.dv + row + dt * 8) = pack_bf16(dv[dt][2], dv[dt][3]);
-    }
-  }
+  store_dk_dv<D>(p, dk, dv, b, kvh, key_a, key_b, lane);
 }
 
 #include "attention_bwd_dkdv_v2.cuh"  // attention_dkdv_kernel_v2: uses the definitions above

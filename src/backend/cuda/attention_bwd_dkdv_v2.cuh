@@ -225,22 +225,5 @@ __global__ void __launch_bounds__(kBwdThreads, 1) attention_dkdv_kernel_v2(const
     __syncthreads();
   }
 
-  const int col0 = 2 * (lane & 3);
-  const int64_t head = static_cast<int64_t>(kvh) * D + col0;
-  if (key_a < S) {
-    const int64_t row = (static_cast<int64_t>(b) * S + key_a) * kv_stride + head;
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      *reinterpret_cast<uint32_t*>(p.dk + row + dt * 8) = pack_bf16(dk[dt][0] * p.scale, dk[dt][1] * p.scale);
-      *reinterpret_cast<uint32_t*>(p.dv + row + dt * 8) = pack_bf16(dv[dt][0], dv[dt][1]);
-    }
-  }
-  if (key_b < S) {
-    const int64_t row = (static_cast<int64_t>(b) * S + key_b) * kv_stride + head;
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      *reinterpret_cast<uint32_t*>(p.dk + row + dt * 8) = pack_bf16(dk[dt][2] * p.scale, dk[dt][3] * p.scale);
-      *reinterpret_cast<uint32_t*>(p.dv + row + dt * 8) = pack_bf16(dv[dt][2], dv[dt][3]);
-    }
-  }
+  store_dk_dv<D>(p, dk, dv, b, kvh, key_a, key_b, lane);
 }
