@@ -292,8 +292,6 @@ void attention_forward_fast(void* stream, const Tensor& q, const Tensor& k, cons
   auto s = static_cast<cudaStream_t>(stream);
   if (variant < 0) variant = default_attention_forward_variant(D);
   if (variant > 2 && launch_forward_variant(s, p, static_cast<int>(D), variant, B * Hq, T)) return;
-  // The wgmma kernel declines GPUs other than Hopper: run the mma.sync default instead.
-  if (variant >= kWgmmaForwardVariant && launch_forward_variant(s, p, static_cast<int>(D), 9, B * Hq, T)) return;
   switch (variant) {
     case 1:  // 16 rows per warp, 8 warps, 64-key tiles
       if (D == 64) launch_forward<64, 1, 8, 64>(s, p, B * Hq, T);

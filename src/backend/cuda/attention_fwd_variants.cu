@@ -360,8 +360,10 @@ bool with_variant(int variant, Fn&& fn) {
 
 bool launch_forward_variant(cudaStream_t stream, const FwdParams& p, int D, int variant, int64_t batch_heads,
                             int64_t T) {
-  if (variant >= kWgmmaForwardVariant)
-    return launch_forward_wgmma(stream, p, D, variant - kWgmmaForwardVariant, batch_heads);
+  if (variant >= kWgmmaForwardVariant && variant <= kLastAttentionForwardVariant) {
+    if (launch_forward_wgmma(stream, p, D, variant - kWgmmaForwardVariant, batch_heads)) return true;
+    variant = 9;  // not a Hopper GPU: the mma.sync default instead
+  }
   auto run = [&](auto v, const char*) { decltype(v)::launch(stream, p, batch_heads, T); };
   return D == 64 ? with_variant<64>(variant, run) : with_variant<128>(variant, run);
 }

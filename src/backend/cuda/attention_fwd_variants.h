@@ -24,8 +24,8 @@ struct FwdParams {
 };
 
 // Forward variants 3 .. kLastAttentionForwardVariant (attention.h) of attention_forward_fast;
-// D is 64 or 128. Returns false for a variant number it does not know (the caller runs the
-// default).
+// D is 64 or 128. The wgmma variants run variant 9 on GPUs other than Hopper. Returns false
+// for a variant number it does not know (the caller runs the default).
 bool launch_forward_variant(cudaStream_t stream, const FwdParams& p, int D, int variant, int64_t batch_heads,
                             int64_t T);
 

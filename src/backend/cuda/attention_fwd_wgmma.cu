@@ -70,7 +70,7 @@ constexpr int kStages = 2;
 // BN: keys per tile (128, or 96 / 80 for the pipelined schedules: fewer score registers).
 template <int D, int BN>
 struct WgConfig {
-  static_assert(BN % 16 == 0 && BN <= 128, "key tiles are whole 16-key MMA steps");
+  static_assert(BN == 128 || BN == 96 || BN == 80, "the key tiles issue_scores has a wgmma for");
   static constexpr int kBoxes = D / 64;                 // 64-column TMA boxes across the head dim
   static constexpr uint32_t kQBytes = kBlockM * D * 2;  // [box][128 rows][128 B]
   static constexpr uint32_t kKVBytes = BN * D * 2;      // one K or V tile: [box][BN rows][128 B]
@@ -99,8 +99,7 @@ __device__ __forceinline__ void issue_scores(float (&sc)[BN / 2], uint32_t q_row
     const uint64_t db = make_desc_sw128(s_k + box * C::kKVBox + in_row);
     if constexpr (BN == 128) wgmma_m64n128k16_bf16<0>(sc, da, db, kk > 0);
     else if constexpr (BN == 96) wgmma_m64n96k16_bf16_ss(sc, da, db, kk > 0);
-    else if constexpr (BN == 80) wgmma_m64n80k16_bf16_ss(sc, da, db, kk > 0);
-    else wgmma_m64n64k16_bf16_ss(sc, da, db, kk > 0);
+    else wgmma_m64n80k16_bf16_ss(sc, da, db, kk > 0);
   }
   wgmma_commit();
 }
@@ -124,66 +123,33 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)
   wgmma_commit();
 }
 
-// Online softmax over one tile of scores (keys k0 ..): scale, mask, update the running max
-// and sums, turn sc into P = exp2(s - max). Returns in corr the factor O must be scaled by;
-// O itself is not touched (it may still be the target of an MMA in flight).
-// sc[i] is row row_a + 8 ((i / 2) % 2), key k0 + 8 (i / 4) + 2 (lane % 4) + i % 2; row r's
-// 32 scores of this thread are sc[4 j + 2 r + {0, 1}], the other 96 in the quad's lanes.
+// Sets the scores of keys past S or past a row's causal limit to `masked`. sc[i] is row
+// row_a + 8 ((i / 2) % 2), key k0 + 8 (i / 4) + 2 (lane % 4) + i % 2. Only edge tiles have any.
 template <int BN>
-__device__ __forceinline__ void softmax_tile(float (&sc)[BN / 2], RowState& st, float (&corr)[2], const FwdParams& p,
-                                             int k0, int row_a, int wg_first, int lane) {
+__device__ __forceinline__ void mask_tile(float (&sc)[BN / 2], float masked, const FwdParams& p, int k0, int row_a,
+                                          int wg_first, int lane) {
   const int S = p.S, diag = S - p.T;
-  // Scale first, then mask: a negative scale would turn a masked -inf into +inf.
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) sc[i] *= p.scale_log2;
   if (k0 + BN > S || (p.causal && k0 + BN - 1 > wg_first + diag)) {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
       const int col = k0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
       const int row = row_a + 8 * ((i / 2) % 2);
-      if (col >= S || (p.causal && col > row + diag)) sc[i] = -INFINITY;
+      if (col >= S || (p.causal && col > row + diag)) sc[i] = masked;
     }
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(st.m[r], mx);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing seen yet
-    corr[r] = exp2_approx(st.m[r] - m_use);
-    st.m[r] = m_new;
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      sc[4 * j + 2 * r] = exp2_approx(sc[4 * j + 2 * r] - m_use);
-      sc[4 * j + 2 * r + 1] = exp2_approx(sc[4 * j + 2 * r + 1] - m_use);
-      sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
-    }
-    st.l[r] = st.l[r] * corr[r] + sum;  // per-thread partial; the quad's parts are added at the end
   }
 }
 
-// softmax_tile with the scale folded into the exponential: the row extreme is taken over
-// the raw scores and P = exp2(s * scale - max) is one FFMA per score, not a multiply and a
-// subtraction. kNeg (a negative scale): the largest scaled score is the smallest raw one,
-// and masked scores are set to +inf so that scaling turns them into -inf.
+// Online softmax over one tile of raw scores (keys k0 ..): mask, update the running max and
+// sums, turn sc into P = exp2(s * sl - max) with one FFMA per score. Returns in corr the
+// factor O must be scaled by; O itself is not touched (it may still be the target of an MMA
+// in flight). Row r's BN / 4 scores of this thread are sc[4 j + 2 r + {0, 1}], the rest in
+// the quad's lanes. kNeg (sl < 0): the largest scaled score is the smallest raw one, and
+// masked scores are +inf so that scaling turns them into -inf.
 template <bool kNeg, int BN>
-__device__ __forceinline__ void softmax_tile_folded(float (&sc)[BN / 2], RowState& st, float (&corr)[2],
+__device__ __forceinline__ void softmax_tile_folded(float (&sc)[BN / 2], RowState& st, float (&corr)[2], float sl,
                                                     const FwdParams& p, int k0, int row_a, int wg_first, int lane) {
-  const int S = p.S, diag = S - p.T;
-  const float sl = p.scale_log2;
   constexpr float kMasked = kNeg ? INFINITY : -INFINITY;
-  if (k0 + BN > S || (p.causal && k0 + BN - 1 > wg_first + diag)) {
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const int col = k0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-      const int row = row_a + 8 * ((i / 2) % 2);
-      if (col >= S || (p.causal && col > row + diag)) sc[i] = kMasked;
-    }
-  }
+  mask_tile<BN>(sc, kMasked, p, k0, row_a, wg_first, lane);
   auto extreme = [](float a, float b) { return kNeg ? fminf(a, b) : fmaxf(a, b); };
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -193,7 +159,7 @@ __device__ __forceinline__ void softmax_tile_folded(float (&sc)[BN / 2], RowStat
     e = extreme(e, __shfl_xor_sync(0xffffffffu, e, 1));
     e = extreme(e, __shfl_xor_sync(0xffffffffu, e, 2));
     const float m_new = fmaxf(st.m[r], e * sl);  // fully masked so far: -inf
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing seen yet
     corr[r] = exp2_approx(st.m[r] - m_use);
     st.m[r] = m_new;
     float sum = 0.0f;
@@ -203,15 +169,25 @@ __device__ __forceinline__ void softmax_tile_folded(float (&sc)[BN / 2], RowStat
       sc[4 * j + 2 * r + 1] = exp2_approx(fmaf(sc[4 * j + 2 * r + 1], sl, -m_use));
       sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
     }
-    st.l[r] = st.l[r] * corr[r] + sum;
+    st.l[r] = st.l[r] * corr[r] + sum;  // per-thread partial; the quad's parts are added at the end
   }
+}
+
+// kSerial's softmax: every score scaled first (a separate multiply), then the above with a
+// scale of 1 (the FFMA then rounds like the subtraction it replaces).
+template <int BN>
+__device__ __forceinline__ void softmax_tile(float (&sc)[BN / 2], RowState& st, float (&corr)[2], const FwdParams& p,
+                                             int k0, int row_a, int wg_first, int lane) {
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) sc[i] *= p.scale_log2;
+  softmax_tile_folded<false, BN>(sc, st, corr, 1.0f, p, k0, row_a, wg_first, lane);
 }
 
 template <int BN>
 __device__ __forceinline__ void softmax_folded(float (&sc)[BN / 2], RowState& st, float (&corr)[2],
                                                const FwdParams& p, int k0, int row_a, int wg_first, int lane) {
-  if (p.scale_log2 < 0.0f) softmax_tile_folded<true, BN>(sc, st, corr, p, k0, row_a, wg_first, lane);
-  else softmax_tile_folded<false, BN>(sc, st, corr, p, k0, row_a, wg_first, lane);
+  if (p.scale_log2 < 0.0f) softmax_tile_folded<true, BN>(sc, st, corr, p.scale_log2, p, k0, row_a, wg_first, lane);
+  else softmax_tile_folded<false, BN>(sc, st, corr, p.scale_log2, p, k0, row_a, wg_first, lane);
 }
 
 // O needs rescaling only when some row's max moved (exp2(0) is exactly 1): a warp vote.
@@ -410,20 +386,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// The schedule number (variant - kWgmmaForwardVariant) of a (mode, tile) pair, as
-// with_schedule below enumerates them.
-constexpr int schedule_index(int mode, int bn) {
-  return bn == 128 ? mode : (bn == 96 ? 4 : 6) + (mode == kPingPong ? 1 : 0);
-}
-
-// Hopper (compute capability 9.x) with the sm_90a code this file was built for.
-bool device_has_wgmma() {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-  return major == 9;
-}
-
 // The [B, rows, heads, D] tensor as a 4-D map (D innermost), boxes of 64 columns x box_rows
 // rows of one head of one batch.
 CUtensorMap bhd_map(const void* base, int64_t batch, int64_t rows, int64_t heads, int D, int box_rows) {
@@ -458,22 +420,23 @@ void info(FwdVariantInfo* out) {
   TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int blocks = 0;
   TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem));
-  static const char* const names[] = {
-      "wgmma: 2 consumer warpgroups x 64 rows, 128 keys, TMA producer",
-      "wgmma, pipelined: softmax of tile n+1 beside P V of tile n",
-      "wgmma, pipelined + ping-pong between the warpgroups",
-      "wgmma, serial, scale folded into exp2, O rescaled when needed",
-      "wgmma, pipelined, 96-key tiles",
-      "wgmma, pipelined + ping-pong, 96-key tiles",
-      "wgmma, pipelined, 80-key tiles",
-      "wgmma, pipelined + ping-pong, 80-key tiles",
-  };
-  out->shape = names[schedule_index(kMode, BN)];
   out->registers = a.numRegs;
   out->local_bytes = static_cast<int>(a.localSizeBytes);
   out->smem_bytes = smem;
   out->blocks_per_sm = blocks;
 }
+
+// What each schedule is, for benchmark tables (with_schedule's order).
+constexpr const char* kScheduleNames[] = {
+    "wgmma: 2 consumer warpgroups x 64 rows, 128 keys, TMA producer",
+    "wgmma, pipelined: softmax of tile n+1 beside P V of tile n",
+    "wgmma, pipelined + ping-pong between the warpgroups",
+    "wgmma, serial, scale folded into exp2, O rescaled when needed",
+    "wgmma, pipelined, 96-key tiles",
+    "wgmma, pipelined + ping-pong, 96-key tiles",
+    "wgmma, pipelined, 80-key tiles",
+    "wgmma, pipelined + ping-pong, 80-key tiles",
+};
 
 // Calls fn(D, mode, BN) as integral constants for schedule `schedule` (the variant number
 // less kWgmmaForwardVariant); false for an unknown one.
@@ -501,17 +464,20 @@ bool with_schedule(int D, int schedule, Fn&& fn) {
 }  // namespace
 
 bool launch_forward_wgmma(cudaStream_t stream, const FwdParams& p, int D, int schedule, int64_t batch_heads) {
-  static const bool hopper = device_has_wgmma();
-  if (!hopper) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || !device_is_hopper(device)) return false;
   return with_schedule(D, schedule, [&](auto d, auto m, auto bn) {
     launch<decltype(d)::value, decltype(m)::value, decltype(bn)::value>(stream, p, batch_heads);
   });
 }
 
 bool forward_wgmma_info(int D, int schedule, FwdVariantInfo* out) {
-  return with_schedule(D, schedule, [&](auto d, auto m, auto bn) {
-    info<decltype(d)::value, decltype(m)::value, decltype(bn)::value>(out);
-  });
+  if (!with_schedule(D, schedule, [&](auto d, auto m, auto bn) {
+        info<decltype(d)::value, decltype(m)::value, decltype(bn)::value>(out);
+      }))
+    return false;
+  out->shape = kScheduleNames[schedule];
+  return true;
 }
 
 }  // namespace tessera::cuda::attn

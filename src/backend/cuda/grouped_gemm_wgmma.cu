@@ -374,9 +374,7 @@ bool operands_ok(const Tensor& x, const Tensor& w, const Tensor& y, bool dgrad) 
   // 16-byte aligned rows of x (TMA) and of y (the 16-byte epilogue stores).
   if (x.stride(1) != 1 || y.stride(1) != 1 || x.stride(0) % 8 != 0 || y.stride(0) % 8 != 0) return false;
   if (!aligned16(x.raw_data()) || !aligned16(w.raw_data()) || !aligned16(y.raw_data())) return false;
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.device().index) != cudaSuccess) return false;
-  return major == 9;
+  return device_is_hopper(x.device().index);
 }
 
 template <bool kDgrad>

@@ -438,21 +438,6 @@ __device__ __forceinline__ void wgmma_m64n80k16_bf16_ss(float (&d)[40], uint64_t
       : "memory");
 }
 
-__device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : TESSERA_WGMMA_SS_ACC8(0), TESSERA_WGMMA_SS_ACC8(8), TESSERA_WGMMA_SS_ACC8(16), TESSERA_WGMMA_SS_ACC8(24)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
-      : "memory");
-}
 #undef TESSERA_WGMMA_SS_ACC8
 
 }  // namespace tessera::cuda::sm90

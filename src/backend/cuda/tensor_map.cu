@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "backend/cuda/cuda_check.h"
 #include "tessera/core/error.h"
 
@@ -27,6 +29,18 @@ EncodeTiledFn encode_tiled() {
 }
 
 }  // namespace
+
+bool device_is_hopper(int device) {
+  static std::atomic<int> cache[64];  // 0 unknown, 1 no, 2 yes
+  if (device >= 0 && device < 64 && cache[device].load(std::memory_order_relaxed) != 0) return cache[device].load() == 2;
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: the caller runs a portable kernel instead
+    return false;
+  }
+  if (device >= 0 && device < 64) cache[device].store(major == 9 ? 2 : 1);
+  return major == 9;
+}
 
 CUtensorMap make_bf16_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
                                  const cuuint32_t* box, const char* who) {
