@@ -11,9 +11,10 @@
 // that (dQ's pass recomputes two products); the count is the same for every implementation
 // so the figures compare.
 //
-// tessera's backward runs twice: deterministic (the default: a dK/dV pass and a dQ pass,
-// bitwise repeatable) and atomic (tessera::set_attention_deterministic(false): dQ summed
-// with FP32 atomics inside the dK/dV pass, as FlashAttention-2 does), one row each.
+// tessera's backward runs three times: deterministic (the default: a dK/dV pass and a dQ pass,
+// bitwise repeatable), atomic (tessera::set_attention_deterministic(false): dQ summed with
+// FP32 atomics inside the dK/dV pass, as FlashAttention-2 does; on Hopper the wgmma kernel,
+// attention_bwd_wgmma.cu) and atomic on the mma.sync kernel ("atom-mma"), one row each.
 // Then both again with the legacy dK/dV kernel (rows "legacy" and "leg-atom",
 // cuda::set_attention_backward_legacy), with a bitwise comparison of its gradients against
 // the default kernel's.
@@ -151,6 +152,11 @@ void run(const Problem& pb, int runs) {
     time_backend("tess-atom", [&] { attention_forward(ctx, q, k, v, out, lse, opts); },
                  [&] { attention_backward(ctx, d_out, q, k, v, out, lse, dq, dk, dv, opts); }, &unused,
                  &sum.atomic_all);
+    // The same without the Hopper wgmma backward (the mma.sync dK/dV kernel with atomic dQ).
+    cuda::set_attention_backward_wgmma(false);
+    double unused_all = 0;
+    time_backend("atom-mma", [&] { attention_forward(ctx, q, k, v, out, lse, opts); },
+                 [&] { attention_backward(ctx, d_out, q, k, v, out, lse, dq, dk, dv, opts); }, &unused, &unused_all);
     set_attention_deterministic(true);
 
     // The legacy dK/dV kernel (attention_bwd_variant.h) against the default in the same run:
@@ -178,6 +184,7 @@ void run(const Problem& pb, int runs) {
                   deterministic ? (dq_same ? "same" : "DIFFERENT") : "(atomic)");
     }
     set_attention_deterministic(true);
+    cuda::set_attention_backward_wgmma(true);
   }
 
   std::string why;

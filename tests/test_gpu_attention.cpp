@@ -5,7 +5,8 @@
 // and negative scales. Outputs are poisoned first (NaN), so an element a kernel forgets to
 // write fails; dq, dk and dv must be overwritten. lse is compared too. Skipped (saying so)
 // where no GPU is present. The tensor-core backward runs in both of its variants:
-// deterministic (the default) and atomic (set_attention_deterministic(false): dQ summed
+// deterministic (the default) and atomic (set_attention_deterministic(false), on Hopper the
+// wgmma kernel and also the mma.sync one: dQ summed
 // with FP32 atomics inside the dK/dV pass). Every tile shape of the tensor-core forward
 // (attention_forward_fast's variants 1 .. kLastAttentionForwardVariant) is checked on each
 // tensor-core case as well. The attention backend is forced to tessera here; cuDNN's path
@@ -20,6 +21,7 @@
 #include "gpu_testing.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/attention.h"
+#include "backend/cuda/attention_bwd_variant.h"
 #endif
 
 using namespace tessera;
@@ -200,12 +202,21 @@ const std::vector<Case> kAtomicExtraCases = {
     {"atomic_noncausal_T500_S64", 1, 500, 64, 2, 1, 128, false},
 };
 
+// Both atomic kernels: the Hopper wgmma one (attention_bwd_wgmma.cu, the default where the
+// GPU has it; elsewhere this runs the mma.sync one twice) and the mma.sync one.
 TEST(GpuAttention, AtomicDqBackwardMatchesTheCpuReference) {
   REQUIRE_GPU();
   const DeterministicScope atomic(false);
-  uint64_t seed = 1700;
-  for (const Case& c : kFastCases) check_case(c, DType::BF16, seed += 10);
-  for (const Case& c : kAtomicExtraCases) check_case(c, DType::BF16, seed += 10);
+#if TESSERA_WITH_CUDA
+  for (const bool wgmma : {true, false}) {
+    SCOPED_TRACE(wgmma ? "wgmma backward (where the GPU has it)" : "mma.sync backward");
+    cuda::set_attention_backward_wgmma(wgmma);
+    uint64_t seed = 1700;
+    for (const Case& c : kFastCases) check_case(c, DType::BF16, seed += 10);
+    for (const Case& c : kAtomicExtraCases) check_case(c, DType::BF16, seed += 10);
+  }
+  cuda::set_attention_backward_wgmma(true);
+#endif
 }
 
 // The setting only concerns the tensor-core kernel: the generic path is right either way.

@@ -31,6 +31,9 @@
 // (2026-11-30, B=4 H=32 T=4096 D=128 causal): backward 211.9 against 205.7 TFLOP/s,
 // forward+backward 226.4 against 218.0: only 3-4% for 2 of 7 products fewer, because the
 // dK/dV kernel (255 registers, spilling) is the bottleneck and now does more per step.
+// On Hopper the atomic variant runs attention_bwd_wgmma.cu instead (the same five products
+// on warpgroup MMAs; attention_bwd_variant.h has the switch), between the same memset and
+// conversion.
 //
 // Floor: the 5 products FlashAttention-2 counts (2.5x the forward's FLOPs) over ~989
 // TFLOP/s; this split does 7 (dQ's pass recomputes 2), so 1.4x that count is executed.
@@ -55,6 +58,7 @@
 #include "attention.h"
 #include "attention_common.cuh"
 #include "attention_bwd_variant.h"
+#include "attention_bwd_wgmma.h"
 #include "attention_cudnn.h"
 #include "cuda_check.h"
 #include "tessera/ops/attention.h"
@@ -80,33 +84,6 @@ constexpr int dkdv_smem_bytes() {
 }
 // The atomic variant stages the step's dS^T (keys x query rows, BF16) after those.
 constexpr int kDsBytes = kKVKeys * kKVRows * 2;
-
-struct BwdParams {
-  const bf16_t* q;
-  const bf16_t* k;
-  const bf16_t* v;
-  const bf16_t* d_out;
-  const float* lse;
-  const float* delta;
-  bf16_t* dq;
-  bf16_t* dk;
-  bf16_t* dv;
-  int T, S, Hq, Hkv, group;
-  float scale;
-  float scale_log2;
-  bool causal;
-  float* dq_accum;  // the atomic variant's unscaled F32 dQ [B, T, Hq, D], zeroed first
-};
-
-// Two FP32 atomic adds at an 8-byte-aligned address (one vector red on sm_90).
-__device__ __forceinline__ void atomic_add2(float* at, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y));
-#else
-  atomicAdd(at, x);
-  atomicAdd(at + 1, y);
-#endif
-}
 
 // The atomic variant's dQ for one step of the dK/dV kernel: dQ(64 x D) += dS(64 x 128) K(128 x D)
 // with dS^T staged at s_ds (a kKVKeys x kKVRows tile) and K resident at s_k. Warp w takes
@@ -492,13 +469,15 @@ __global__ void attention_dq_convert_kernel(const float4* __restrict__ acc, uint
 
 template <int D>
 void launch_backward_atomic(cudaStream_t stream, const BwdParams& p, int64_t B, int64_t dq_numel) {
-  constexpr int kv_smem = dkdv_smem_bytes<D>() + kDsBytes;
-  const auto kernel = attention_backward_legacy() ? attention_dkdv_kernel<D, true> : attention_dkdv_kernel_v2<D, true>;
-  TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
   TESSERA_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, dq_numel * sizeof(float), stream));
-  const dim3 kv_grid(static_cast<unsigned>(B * p.Hkv), static_cast<unsigned>((p.S + kKVKeys - 1) / kKVKeys));
-  kernel<<<kv_grid, kBwdThreads, kv_smem, stream>>>(p);
-  TESSERA_CUDA_CHECK_LAUNCH();
+  if (!attention_backward_wgmma() || !launch_backward_wgmma(stream, p, D, B)) {
+    constexpr int kv_smem = dkdv_smem_bytes<D>() + kDsBytes;
+    const auto kernel = attention_backward_legacy() ? attention_dkdv_kernel<D, true> : attention_dkdv_kernel_v2<D, true>;
+    TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
+    const dim3 kv_grid(static_cast<unsigned>(B * p.Hkv), static_cast<unsigned>((p.S + kKVKeys - 1) / kKVKeys));
+    kernel<<<kv_grid, kBwdThreads, kv_smem, stream>>>(p);
+    TESSERA_CUDA_CHECK_LAUNCH();
+  }
   const int64_t n4 = dq_numel / 4;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n4 + 255) / 256, 132 * 16));
   attention_dq_convert_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float4*>(p.dq_accum),
@@ -521,6 +500,7 @@ void launch_backward(cudaStream_t stream, const BwdParams& p, int64_t B) {
 }
 
 int legacy_dkdv = -1;  // -1: not read from the environment yet
+int wgmma_bwd = -1;
 
 }  // namespace
 
@@ -532,6 +512,15 @@ bool attention_backward_legacy() {
   return legacy_dkdv == 1;
 }
 void set_attention_backward_legacy(bool legacy) { legacy_dkdv = legacy ? 1 : 0; }
+
+bool attention_backward_wgmma() {
+  if (wgmma_bwd < 0) {
+    const char* env = std::getenv("TESSERA_ATTN_BWD_WGMMA");
+    wgmma_bwd = !(env != nullptr && env[0] == '0');
+  }
+  return wgmma_bwd == 1;
+}
+void set_attention_backward_wgmma(bool on) { wgmma_bwd = on ? 1 : 0; }
 
 void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool causal,

@@ -111,6 +111,16 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Two FP32 atomic adds at an 8-byte-aligned address (one vector red on sm_90).
+__device__ __forceinline__ void atomic_add2(float* at, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y));
+#else
+  atomicAdd(at, x);
+  atomicAdd(at + 1, y);
+#endif
+}
+
 // 2^x on the special-function unit (exp2(-inf) = 0).
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

@@ -386,24 +386,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// The [B, rows, heads, D] tensor as a 4-D map (D innermost), boxes of 64 columns x box_rows
-// rows of one head of one batch.
-CUtensorMap bhd_map(const void* base, int64_t batch, int64_t rows, int64_t heads, int D, int box_rows) {
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(heads),
-                              static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(D) * 2, static_cast<cuuint64_t>(heads * D) * 2,
-                                 static_cast<cuuint64_t>(rows * heads * D) * 2};
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
-  return make_bf16_tensor_map(base, 4, dims, strides, box, "attention forward (wgmma)");
-}
-
 template <int D, int kMode, int BN>
 void launch(cudaStream_t stream, const FwdParams& p, int64_t batch_heads) {
   using C = WgConfig<D, BN>;
+  constexpr const char* kWho = "attention forward (wgmma)";
   const int64_t batch = batch_heads / p.Hq;
-  const CUtensorMap tm_q = bhd_map(p.q, batch, p.T, p.Hq, D, kBlockM);
-  const CUtensorMap tm_k = bhd_map(p.k, batch, p.S, p.Hkv, D, BN);
-  const CUtensorMap tm_v = bhd_map(p.v, batch, p.S, p.Hkv, D, BN);
+  const CUtensorMap tm_q = make_bhd_tensor_map(p.q, batch, p.T, p.Hq, D, kBlockM, kWho);
+  const CUtensorMap tm_k = make_bhd_tensor_map(p.k, batch, p.S, p.Hkv, D, BN, kWho);
+  const CUtensorMap tm_v = make_bhd_tensor_map(p.v, batch, p.S, p.Hkv, D, BN, kWho);
   auto kernel = attention_fwd_wgmma_kernel<D, kMode, BN>;
   TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
   const dim3 grid(static_cast<unsigned>(batch_heads), static_cast<unsigned>((p.T + kBlockM - 1) / kBlockM));

@@ -55,4 +55,14 @@ CUtensorMap make_bf16_tensor_map(const void* base, int rank, const cuuint64_t* d
   return map;
 }
 
+CUtensorMap make_bhd_tensor_map(const void* base, int64_t batch, int64_t rows, int64_t heads, int D, int box_rows,
+                                const char* who) {
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(D) * 2, static_cast<cuuint64_t>(heads * D) * 2,
+                                 static_cast<cuuint64_t>(rows * heads * D) * 2};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  return make_bf16_tensor_map(base, 4, dims, strides, box, who);
+}
+
 }  // namespace tessera::cuda

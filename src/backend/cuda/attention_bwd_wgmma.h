@@ -1,0 +1,38 @@
+// The tensor-core attention backward's parameters, shared by the mma.sync kernels
+// (attention_bwd.cu) and the Hopper wgmma kernel (attention_bwd_wgmma.cu), and the entry point
+// of the latter. CUDA translation units only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention_common.cuh"
+
+namespace tessera::cuda::attn {
+
+// Layout as the forward's: q, d_out, dq [B, T, Hq, D]; k, v, dk, dv [B, S, Hkv, D]; lse and
+// delta (rowsum(dO * O)) [B, Hq, T] F32; all contiguous.
+struct BwdParams {
+  const bf16_t* q;
+  const bf16_t* k;
+  const bf16_t* v;
+  const bf16_t* d_out;
+  const float* lse;
+  const float* delta;
+  bf16_t* dq;
+  bf16_t* dk;
+  bf16_t* dv;
+  int T, S, Hq, Hkv, group;
+  float scale;
+  float scale_log2;
+  bool causal;
+  float* dq_accum;  // the atomic variants' unscaled F32 dQ [B, T, Hq, D], zeroed first
+};
+
+// The wgmma backward: writes dk and dv, and adds the unscaled dQ into p.dq_accum (which the
+// caller zeroes before and converts to BF16 dq = scale * dq_accum after). False, launching
+// nothing, when this GPU is not Hopper or D is not 64 / 128.
+bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch);
+
+}  // namespace tessera::cuda::attn
