@@ -2,37 +2,52 @@
 // gradients of attention_fwd_wgmma.cu's forward. With P = exp2(scale_log2 * Q K^T - lse log2 e)
 // rebuilt from the saved lse and Delta = rowsum(dO * O) (computed before, attention_generic.cu):
 //   dV = P^T dO,  dS = P * (dO V^T - Delta),  dK = scale * dS^T Q,  dQ = scale * dS K.
-// dK and dV are written as BF16; dQ is added, unscaled, into an F32 buffer with FP32 atomics
-// (FlashAttention-2's and -3's way: 5 products, no dQ pass, dQ's last bits depend on the order
-// of the adds). The caller zeroes the buffer first and converts it after (attention_bwd.cu).
+// dK and dV are written as BF16; dQ is added, unscaled, into an F32 buffer (FlashAttention-2's
+// and -3's way: 5 products, no dQ pass, dQ's last bits depend on the order of the adds). The
+// caller zeroes the buffer first and converts it after (attention_bwd.cu).
 //
 // Layout (attention_bwd_wgmma.h): q, d_out, dq_accum [B, T, Hq, D]; k, v, dk, dv [B, S, Hkv, D];
 // lse, delta [B, Hq, T] F32; contiguous; bottom-right causal alignment (query i sees keys
 // j <= i + S - T).
 //
-// Structure (sm_90a): a CTA owns 128 keys of one (batch, kv head) and is two consumer
-// warpgroups (64 keys each) and a producer warpgroup, which hands its registers to the
-// consumers (setmaxnreg: 240 each, 24 for the producer): each consumer thread keeps its share
-// of dK and dV (64 keys x D in FP32: 2 x 64 registers at D = 128) for the whole kernel. One
-// producer thread loads K and V once and then, for every 64-row query tile of every query head
-// of the GQA group, Q and dO into a two-stage ring (TMA, 128-byte swizzle); the producer warp's
-// lanes put that tile's lse (times log2 e) and Delta beside them. Per query tile, each
-// consumer warpgroup computes, keys as the M dimension:
+// Structure (sm_90a): a CTA owns 128 keys of one (batch, kv head) and is two warpgroups of 64
+// keys each; each thread keeps its share of its warpgroup's dK and dV (64 keys x D in FP32:
+// 2 x 64 registers at D = 128) for the whole kernel. Thread 0 loads K and V once and then, for
+// every 64-row query tile of every query head of the GQA group, Q and dO (TMA, 128-byte
+// swizzle) and that tile's lse (times log2 e) and Delta (bulk copies from a padded copy made
+// first) into a two-stage ring. Per query tile, each warpgroup computes, keys as the M dimension:
 //   S^T = K Q^T, dP^T = V dO^T    wgmma m64n64, both operands K-major from shared memory;
 //   P^T = exp2(S^T scale_log2 - lse), masked on causal-diagonal and sequence-end tiles;
 //   dV += P^T dO                  register-A wgmma (P^T straight from the score registers, as
 //                                 the forward's P V) with dO read MN-major (transpose bit);
 //   dS^T = P^T * (dP^T - Delta)   written to shared memory as BF16 rows of 64 queries per key;
 //   dK += dS^T Q                  dS^T read back K-major, Q MN-major;
-//   dQ_part = dS K                over its 64 keys only: the same dS^T tile read as dS
-//                                 (MN-major) and K MN-major; the 64 x D partial is added to dq_accum
-//                                 with 8-byte FP32 atomics. The two warpgroups never wait for
-//                                 each other (each reads only its own dS^T), at the price of
-//                                 twice the atomics of splitting dQ's columns between them.
-// Query tiles a warpgroup's keys are all hidden from (causal) are skipped.
+//   dQ += dS K                    at D = 128 warpgroup w takes head-dim columns 64 w .. over all
+//                                 128 keys (both warpgroups' dS^T tiles, read as dS MN-major, a
+//                                 barrier of the CTA between); at D = 64 each warpgroup all
+//                                 columns over its own keys. The FP32 block goes through shared
+//                                 memory to bulk reduce-adds (cp.reduce.async.bulk), a row each.
+// At D = 64, query tiles a warpgroup's keys are all hidden from (causal) are skipped.
 //
 // Floor: FlashAttention's count, 2.5x the forward's 4 B Hq T S D (halved when causal), over
-// ~989 TFLOP/s BF16 dense. Not measured yet.
+// ~989 TFLOP/s BF16 dense. Speed, H200 (2026-11-30, bench_attention, causal; bench/RESULTS.md):
+// B=4 H=32 T=4096 D=128 backward 285-295 TFLOP/s (29% of the peak), against 227 for the
+// mma.sync kernel with atomic dQ in the same run; D = 64: 150 (B=16 H=12 T=1024) and 181
+// (B=4 Hq=32 Hkv=8 T=2048). What was measured on the way (attention_bwd_probe, D = 128):
+//   - a producer warpgroup handing its registers over (setmaxnreg 240 / 24): ptxas kept the
+//     consumer code near 235 registers, spilled ~1 KB and serialised every wgmma (C7512),
+//     although the same code fits 232 when the whole kernel may have them. Hence no producer:
+//     256 threads get 255 registers each, and thread 0 issues the loads;
+//   - dQ over each warpgroup's own keys (no barrier between the warpgroups, twice the adds):
+//     272 against 293 TFLOP/s for the split by columns;
+//   - 16-byte atomics from registers (red.global.add.v4.f32) instead of the bulk reduces:
+//     283 against 291; 8-byte ones: 238 (with the own-keys dQ);
+//   - issuing the next tile's S^T and dP^T behind dK and dQ (software pipelining, registers
+//     permitting: 250): no faster (295-301 against 293-303), and slower at D = 64.
+// Where the time goes: the m64n64 products with both operands in shared memory (S^T, dP^T,
+// dQ) read as many bytes as the tensor cores can consume (4 KB per 131 kFLOP: 32 cycles
+// either way), and the two warpgroups meet at a barrier every tile, so their softmax phases
+// coincide. FlashAttention-3 reaches ~1.5x this with 240-register warpgroups fed by a producer.
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
