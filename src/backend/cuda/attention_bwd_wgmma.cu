@@ -43,11 +43,17 @@
 //   - 16-byte atomics from registers (red.global.add.v4.f32) instead of the bulk reduces:
 //     283 against 291; 8-byte ones: 238 (with the own-keys dQ);
 //   - issuing the next tile's S^T and dP^T behind dK and dQ (software pipelining, registers
-//     permitting: 250): no faster (295-301 against 293-303), and slower at D = 64.
-// Where the time goes: the m64n64 products with both operands in shared memory (S^T, dP^T,
-// dQ) read as many bytes as the tensor cores can consume (4 KB per 131 kFLOP: 32 cycles
-// either way), and the two warpgroups meet at a barrier every tile, so their softmax phases
-// coincide. FlashAttention-3 reaches ~1.5x this with 240-register warpgroups fed by a producer.
+//     permitting: 250): no faster (295-301 against 293-303), and slower at D = 64;
+//   - dQ of each tile one tile late, behind mbarriers instead of the barrier of the CTA (three
+//     dS^T buffers), so that the warpgroups drift apart: no faster either (301-305 against
+//     303-305).
+// Where the time goes, roughly: per tile and SM the products need ~2560 tensor-core cycles
+// and ~2100 cycles of shared-memory reads (the m64n64 products with both operands in shared
+// memory, S^T, dP^T and dQ, read 4 KB per 131 kFLOP: 32 cycles either way), but a tile takes
+// ~8700 (4.5 ms over 1024 tiles an SM): each warpgroup's chain of products, softmax and
+// stores is latency-bound, and two warpgroups do not hide it (neither of the two attempts
+// above helped). FlashAttention-3 reaches ~1.5x this with 240-register warpgroups fed by a
+// producer, which ptxas did not give this code (above).
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
