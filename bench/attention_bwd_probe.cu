@@ -28,19 +28,11 @@
 #include <vector>
 
 #include "backend/cuda/attention_bwd_wgmma.h"
+#include "probe_util.h"
 
 using namespace tessera::cuda::attn;
 
 namespace {
-
-#define PROBE_CHECK(x)                                                                   \
-  do {                                                                                   \
-    const cudaError_t e = (x);                                                           \
-    if (e != cudaSuccess) {                                                              \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 struct Problem {
   int B, Hq, Hkv, T, S, D;
@@ -62,34 +54,18 @@ struct Buffers {
   float *lse = nullptr, *delta = nullptr, *dq_accum = nullptr;
 };
 
-std::vector<float> random_bf16(size_t n, std::mt19937& gen, float lo, float hi) {
-  std::uniform_real_distribution<float> u(lo, hi);
-  std::vector<float> x(n);
-  for (float& e : x) e = __bfloat162float(__float2bfloat16(u(gen)));
-  return x;
-}
-
-bf16_t* to_device(const std::vector<float>& x) {
-  std::vector<bf16_t> h(x.size());
-  for (size_t i = 0; i < x.size(); ++i) h[i] = __float2bfloat16(x[i]);
-  bf16_t* d = nullptr;
-  PROBE_CHECK(cudaMalloc(&d, h.size() * 2));
-  PROBE_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-  return d;
-}
-
 float* to_device_f32(const std::vector<float>& x) {
   float* d = nullptr;
-  PROBE_CHECK(cudaMalloc(&d, x.size() * 4));
-  PROBE_CHECK(cudaMemcpy(d, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMalloc(&d, x.size() * 4));
+  CHECK_CUDA(cudaMemcpy(d, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
   return d;
 }
 
 void alloc_outputs(const Problem& p, Buffers& b) {
-  PROBE_CHECK(cudaMalloc(&b.dq, p.nq() * 2));
-  PROBE_CHECK(cudaMalloc(&b.dk, p.nk() * 2));
-  PROBE_CHECK(cudaMalloc(&b.dv, p.nk() * 2));
-  PROBE_CHECK(cudaMalloc(&b.dq_accum, p.nq() * 4));
+  CHECK_CUDA(cudaMalloc(&b.dq, p.nq() * 2));
+  CHECK_CUDA(cudaMalloc(&b.dk, p.nk() * 2));
+  CHECK_CUDA(cudaMalloc(&b.dv, p.nk() * 2));
+  CHECK_CUDA(cudaMalloc(&b.dq_accum, p.nq() * 4));
 }
 
 void free_buffers(Buffers& b) {
@@ -97,7 +73,7 @@ void free_buffers(Buffers& b) {
                     static_cast<void*>(b.dout), static_cast<void*>(b.dq), static_cast<void*>(b.dk),
                     static_cast<void*>(b.dv), static_cast<void*>(b.lse), static_cast<void*>(b.delta),
                     static_cast<void*>(b.dq_accum)})
-    PROBE_CHECK(cudaFree(ptr));
+    CHECK_CUDA(cudaFree(ptr));
 }
 
 BwdParams params(const Problem& p, const Buffers& b) {
@@ -243,7 +219,7 @@ Error compare(const std::vector<float>& got, const std::vector<double>& want) {
 
 std::vector<float> read_bf16(const bf16_t* d, size_t n) {
   std::vector<bf16_t> h(n);
-  PROBE_CHECK(cudaMemcpy(h.data(), d, n * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(h.data(), d, n * 2, cudaMemcpyDeviceToHost));
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) x[i] = __bfloat162float(h[i]);
   return x;
@@ -268,19 +244,19 @@ bool check(const Problem& p) {
   b.lse = to_device_f32(r.lse);
   b.delta = to_device_f32(r.delta);
   alloc_outputs(p, b);
-  PROBE_CHECK(cudaMemset(b.dk, 0xff, p.nk() * 2));  // NaN: an unwritten element shows
-  PROBE_CHECK(cudaMemset(b.dv, 0xff, p.nk() * 2));
-  PROBE_CHECK(cudaMemset(b.dq_accum, 0, p.nq() * 4));
+  CHECK_CUDA(cudaMemset(b.dk, 0xff, p.nk() * 2));  // NaN: an unwritten element shows
+  CHECK_CUDA(cudaMemset(b.dv, 0xff, p.nk() * 2));
+  CHECK_CUDA(cudaMemset(b.dq_accum, 0, p.nq() * 4));
   if (!launch(p, b)) {
     std::printf("wgmma backward not available on this GPU\n");
     std::exit(0);
   }
-  PROBE_CHECK(cudaGetLastError());
-  PROBE_CHECK(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
 
   const std::vector<float> dk = read_bf16(b.dk, p.nk()), dv = read_bf16(b.dv, p.nk());
   std::vector<float> dq(p.nq());
-  PROBE_CHECK(cudaMemcpy(dq.data(), b.dq_accum, dq.size() * 4, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(dq.data(), b.dq_accum, dq.size() * 4, cudaMemcpyDeviceToHost));
   for (float& x : dq) x *= p.softmax_scale();
   free_buffers(b);
 
@@ -328,47 +304,31 @@ __global__ void fill_f32(float* x, size_t n, uint32_t seed, float lo, float hi) 
 
 bf16_t* random_device_bf16(size_t n, uint32_t seed, float lo, float hi) {
   bf16_t* d = nullptr;
-  PROBE_CHECK(cudaMalloc(&d, n * 2));
+  CHECK_CUDA(cudaMalloc(&d, n * 2));
   fill_bf16<<<1024, 256>>>(d, n, seed, lo, hi);
-  PROBE_CHECK(cudaGetLastError());
+  CHECK_CUDA(cudaGetLastError());
   return d;
 }
 
 float* random_device_f32(size_t n, uint32_t seed, float lo, float hi) {
   float* d = nullptr;
-  PROBE_CHECK(cudaMalloc(&d, n * 4));
+  CHECK_CUDA(cudaMalloc(&d, n * 4));
   fill_f32<<<1024, 256>>>(d, n, seed, lo, hi);
-  PROBE_CHECK(cudaGetLastError());
+  CHECK_CUDA(cudaGetLastError());
   return d;
 }
 
 // Median over 20 runs after 3 warm-ups, in ms; with_memset adds the dq_accum zeroing the
 // library issues before every backward.
-float median_ms(const Problem& p, const Buffers& b, bool with_memset) {
-  cudaEvent_t start, stop;
-  PROBE_CHECK(cudaEventCreate(&start));
-  PROBE_CHECK(cudaEventCreate(&stop));
-  auto run = [&] {
-    if (with_memset) PROBE_CHECK(cudaMemsetAsync(b.dq_accum, 0, p.nq() * 4, nullptr));
-    launch(p, b);
-  };
-  for (int i = 0; i < 3; ++i) run();
-  PROBE_CHECK(cudaGetLastError());
-  std::vector<float> ms;
-  for (int i = 0; i < 20; ++i) {
-    PROBE_CHECK(cudaEventRecord(start));
-    run();
-    PROBE_CHECK(cudaEventRecord(stop));
-    PROBE_CHECK(cudaEventSynchronize(stop));
-    float t = 0;
-    PROBE_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  PROBE_CHECK(cudaGetLastError());
-  PROBE_CHECK(cudaEventDestroy(start));
-  PROBE_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+double time_ms(const Problem& p, const Buffers& b, bool with_memset) {
+  const double ms = median_ms(
+      [&] {
+        if (with_memset) CHECK_CUDA(cudaMemsetAsync(b.dq_accum, 0, p.nq() * 4, nullptr));
+        launch(p, b);
+      },
+      20, 3);
+  CHECK_CUDA(cudaGetLastError());
+  return ms;
 }
 
 void time_backward(const Problem& p) {
@@ -382,13 +342,13 @@ void time_backward(const Problem& p) {
   b.lse = random_device_f32(p.nrows(), 5, 4.5f, 5.5f);
   b.delta = random_device_f32(p.nrows(), 6, -0.1f, 0.1f);
   alloc_outputs(p, b);
-  PROBE_CHECK(cudaMemset(b.dq_accum, 0, p.nq() * 4));
-  PROBE_CHECK(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemset(b.dq_accum, 0, p.nq() * 4));
+  CHECK_CUDA(cudaDeviceSynchronize());
   if (!launch(p, b)) {
     std::printf("wgmma backward not available on this GPU\n");
     std::exit(0);
   }
-  const float total = median_ms(p, b, true), kernel = median_ms(p, b, false);
+  const double total = time_ms(p, b, true), kernel = time_ms(p, b, false);
   std::printf("time  B=%d H=%d/%d T=%d D=%d %s | memset+kernel %.3f ms %.1f TFLOP/s | kernel %.3f ms %.1f TFLOP/s\n",
               p.B, p.Hq, p.Hkv, p.T, p.D, p.causal ? "causal" : "full", total, p.flops() / total * 1e-9, kernel,
               p.flops() / kernel * 1e-9);

@@ -24,21 +24,13 @@
 #include <vector>
 
 #include "backend/cuda/attention.h"
+#include "probe_util.h"
 #include "backend/cuda/attention_fwd_variants.h"
 
 using namespace tessera::cuda;
 using namespace tessera::cuda::attn;
 
 namespace {
-
-#define PROBE_CHECK(x)                                                                   \
-  do {                                                                                   \
-    const cudaError_t e = (x);                                                           \
-    if (e != cudaSuccess) {                                                              \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 struct Problem {
   int B, Hq, Hkv, T, S, D;
@@ -55,22 +47,6 @@ struct Buffers {
   float* dlse = nullptr;
 };
 
-std::vector<float> random_bf16(size_t n, std::mt19937& gen, float lo, float hi) {
-  std::uniform_real_distribution<float> u(lo, hi);
-  std::vector<float> x(n);
-  for (float& e : x) e = __bfloat162float(__float2bfloat16(u(gen)));
-  return x;
-}
-
-__nv_bfloat16* to_device(const std::vector<float>& x) {
-  std::vector<__nv_bfloat16> h(x.size());
-  for (size_t i = 0; i < x.size(); ++i) h[i] = __float2bfloat16(x[i]);
-  __nv_bfloat16* d = nullptr;
-  PROBE_CHECK(cudaMalloc(&d, h.size() * 2));
-  PROBE_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-  return d;
-}
-
 Buffers make_buffers(const Problem& p, unsigned seed) {
   std::mt19937 gen(seed);
   Buffers b;
@@ -81,15 +57,15 @@ Buffers make_buffers(const Problem& p, unsigned seed) {
   b.dq = to_device(b.q);
   b.dk = to_device(b.k);
   b.dv = to_device(b.v);
-  PROBE_CHECK(cudaMalloc(&b.dout, nq * 2));
-  PROBE_CHECK(cudaMalloc(&b.dlse, size_t(p.B) * p.Hq * p.T * 4));
+  CHECK_CUDA(cudaMalloc(&b.dout, nq * 2));
+  CHECK_CUDA(cudaMalloc(&b.dlse, size_t(p.B) * p.Hq * p.T * 4));
   return b;
 }
 
 void free_buffers(Buffers& b) {
   for (void* ptr : {static_cast<void*>(b.dq), static_cast<void*>(b.dk), static_cast<void*>(b.dv),
                     static_cast<void*>(b.dout), static_cast<void*>(b.dlse)})
-    PROBE_CHECK(cudaFree(ptr));
+    CHECK_CUDA(cudaFree(ptr));
 }
 
 // out [B, T, Hq, D] and lse [B, Hq, T] in FP64, bottom-right causal mask.
@@ -151,14 +127,14 @@ bool check(const Problem& p, const std::vector<int>& variants) {
   reference(p, b, r_out, r_lse);
   bool ok = true;
   for (int variant : variants) {
-    PROBE_CHECK(cudaMemset(b.dout, 0xff, r_out.size() * 2));  // NaN: an unwritten element shows
-    PROBE_CHECK(cudaMemset(b.dlse, 0xff, r_lse.size() * 4));
+    CHECK_CUDA(cudaMemset(b.dout, 0xff, r_out.size() * 2));  // NaN: an unwritten element shows
+    CHECK_CUDA(cudaMemset(b.dlse, 0xff, r_lse.size() * 4));
     if (!run_variant(p, b, variant)) continue;
-    PROBE_CHECK(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<__nv_bfloat16> h(r_out.size());
     std::vector<float> out(r_out.size()), lse(r_lse.size());
-    PROBE_CHECK(cudaMemcpy(h.data(), b.dout, h.size() * 2, cudaMemcpyDeviceToHost));
-    PROBE_CHECK(cudaMemcpy(lse.data(), b.dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(h.data(), b.dout, h.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(lse.data(), b.dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < h.size(); ++i) out[i] = __bfloat162float(h[i]);
     const double e_out = relative_error(out, r_out), e_lse = relative_error(lse, r_lse);
     const bool good = e_out < 1e-2 && e_lse < 1e-4;  // tests/test_gpu_attention.cpp's bounds
@@ -173,29 +149,12 @@ bool check(const Problem& p, const std::vector<int>& variants) {
 
 void time_variants(const Problem& p, const std::vector<int>& variants) {
   Buffers b = make_buffers(p, 99);
-  cudaEvent_t start, stop;
-  PROBE_CHECK(cudaEventCreate(&start));
-  PROBE_CHECK(cudaEventCreate(&stop));
   for (int variant : variants) {
     if (!run_variant(p, b, variant)) continue;
-    for (int i = 0; i < 3; ++i) run_variant(p, b, variant);
-    std::vector<float> ms;
-    for (int i = 0; i < 25; ++i) {
-      PROBE_CHECK(cudaEventRecord(start));
-      run_variant(p, b, variant);
-      PROBE_CHECK(cudaEventRecord(stop));
-      PROBE_CHECK(cudaEventSynchronize(stop));
-      float t = 0;
-      PROBE_CHECK(cudaEventElapsedTime(&t, start, stop));
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    const float median = ms[ms.size() / 2];
+    const double median = median_ms([&] { run_variant(p, b, variant); }, 25, 3);
     std::printf("time  B=%d H=%d/%d T=%d D=%d %s | variant %2d | %.3f ms | %.1f TFLOP/s\n", p.B, p.Hq, p.Hkv, p.T, p.D,
                 p.causal ? "causal" : "full", variant, median, p.flops() / median * 1e-9);
   }
-  PROBE_CHECK(cudaEventDestroy(start));
-  PROBE_CHECK(cudaEventDestroy(stop));
   free_buffers(b);
 }
 

@@ -104,7 +104,7 @@ __device__ __forceinline__ void mma_kblock(float (&acc)[BN / 2], uint32_t a, uin
       // between wgmmas makes ptxas fence each one.
 #pragma unroll
       for (int j = 0; j < BN / 64; ++j)
-        wgmma_m64n64k16_bf16_tb(acc + 32 * j, da, make_desc_sw128_mn64(b + j * 64 * kBlockK * 2 + kk * 2048),
+        wgmma_m64n64k16_bf16_ss<0, 1>(acc + 32 * j, da, make_desc_sw128_mn64(b + j * 64 * kBlockK * 2 + kk * 2048),
                                 accumulate);
     } else {
       // Dgrad: the BN / 64 boxes as one MN-major operand (leading offset 8 KiB = one box);
