@@ -11,10 +11,11 @@
 // that (dQ's pass recomputes two products); the count is the same for every implementation
 // so the figures compare.
 //
-// tessera's backward runs three times: deterministic (the default: a dK/dV pass and a dQ pass,
-// bitwise repeatable), atomic (tessera::set_attention_deterministic(false): dQ summed with
-// FP32 atomics inside the dK/dV pass, as FlashAttention-2 does; on Hopper the wgmma kernel,
-// attention_bwd_wgmma.cu) and atomic on the mma.sync kernel ("atom-mma"), one row each.
+// tessera's backward runs four times: deterministic (the default: a dK/dV pass and a dQ pass,
+// bitwise repeatable; on Hopper at D=128 the dK/dV pass is the wgmma kernel, attention_bwd_wgmma.cu),
+// atomic (tessera::set_attention_deterministic(false): dQ summed with FP32 atomics inside the
+// dK/dV pass, as FlashAttention-2 does; on Hopper the wgmma kernel), and both again on the
+// mma.sync dK/dV kernel ("atom-mma", "det-mma"), one row each.
 // Then both again with the legacy dK/dV kernel (rows "legacy" and "leg-atom",
 // cuda::set_attention_backward_legacy), with a bitwise comparison of its gradients against
 // the default kernel's.
@@ -158,6 +159,8 @@ void run(const Problem& pb, int runs) {
     time_backend("atom-mma", [&] { attention_forward(ctx, q, k, v, out, lse, opts); },
                  [&] { attention_backward(ctx, d_out, q, k, v, out, lse, dq, dk, dv, opts); }, &unused, &unused_all);
     set_attention_deterministic(true);
+    time_backend("det-mma", [&] { attention_forward(ctx, q, k, v, out, lse, opts); },
+                 [&] { attention_backward(ctx, d_out, q, k, v, out, lse, dq, dk, dv, opts); }, &unused, &unused_all);
 
     // The legacy dK/dV kernel (attention_bwd_variant.h) against the default in the same run:
     // timed and checked like the rows above, and its dq, dk, dv compared bit for bit with

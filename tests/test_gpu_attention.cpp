@@ -143,10 +143,19 @@ void check_case(const Case& c, DType dtype, uint64_t seed) {
 
 }  // namespace
 
+// Deterministic (the default): on Hopper at D = 128 the dK/dV pass is the wgmma kernel; the
+// second round runs the mma.sync dK/dV kernel that other GPUs (and D = 64) run.
 TEST(GpuAttention, TensorCorePathMatchesTheCpuReference) {
   REQUIRE_GPU();
-  uint64_t seed = 700;
-  for (const Case& c : kFastCases) check_case(c, DType::BF16, seed += 10);
+#if TESSERA_WITH_CUDA
+  for (const bool wgmma : {true, false}) {
+    SCOPED_TRACE(wgmma ? "wgmma dK/dV (where the GPU has it)" : "mma.sync dK/dV");
+    cuda::set_attention_backward_wgmma(wgmma);
+    uint64_t seed = 700;
+    for (const Case& c : kFastCases) check_case(c, DType::BF16, seed += 10);
+  }
+  cuda::set_attention_backward_wgmma(true);
+#endif
 }
 
 // The Hopper forward's schedules alone (variants kWgmmaForwardVariant ..): on other GPUs they

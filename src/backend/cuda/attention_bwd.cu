@@ -488,12 +488,19 @@ void launch_backward_atomic(cudaStream_t stream, const BwdParams& p, int64_t B, 
 template <int D>
 void launch_backward(cudaStream_t stream, const BwdParams& p, int64_t B) {
   constexpr int kv_smem = dkdv_smem_bytes<D>(), q_smem = dq_smem_bytes<D>();
-  const auto kernel = attention_backward_legacy() ? attention_dkdv_kernel<D, false> : attention_dkdv_kernel_v2<D, false>;
-  TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
+  // dK, dV: the wgmma kernel on Hopper at D = 128 (still one writer per element, so
+  // deterministic): 230.5 against 214.0 TFLOP/s for the whole backward at B=4 H=32 T=4096
+  // causal; at D = 64 it measured slower than the mma.sync kernel (119.6 against 134.9 at
+  // B=16 H=12 T=1024, 145.1 against 173.5 at B=4 Hq=32 Hkv=8 T=2048; bench/RESULTS.md).
+  if (D != 128 || !attention_backward_wgmma() || !launch_backward_wgmma(stream, p, D, B, /*with_dq=*/false)) {
+    const auto kernel =
+        attention_backward_legacy() ? attention_dkdv_kernel<D, false> : attention_dkdv_kernel_v2<D, false>;
+    TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
+    const dim3 kv_grid(static_cast<unsigned>(B * p.Hkv), static_cast<unsigned>((p.S + kKVKeys - 1) / kKVKeys));
+    kernel<<<kv_grid, kBwdThreads, kv_smem, stream>>>(p);
+    TESSERA_CUDA_CHECK_LAUNCH();
+  }
   TESSERA_CUDA_CHECK(cudaFuncSetAttribute(attention_dq_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, q_smem));
-  const dim3 kv_grid(static_cast<unsigned>(B * p.Hkv), static_cast<unsigned>((p.S + kKVKeys - 1) / kKVKeys));
-  kernel<<<kv_grid, kBwdThreads, kv_smem, stream>>>(p);
-  TESSERA_CUDA_CHECK_LAUNCH();
   const dim3 q_grid(static_cast<unsigned>(B * p.Hq), static_cast<unsigned>((p.T + kQRows - 1) / kQRows));
   attention_dq_kernel<D><<<q_grid, kBwdThreads, q_smem, stream>>>(p);
   TESSERA_CUDA_CHECK_LAUNCH();

@@ -10,10 +10,11 @@ namespace tessera::cuda {
 bool attention_backward_legacy();
 void set_attention_backward_legacy(bool legacy);
 
-// Whether the atomic backward (set_attention_deterministic(false)) runs the Hopper wgmma
-// kernel (attention_bwd_wgmma.cu) where it can: the default; TESSERA_ATTN_BWD_WGMMA=0 (read
-// once) or set_attention_backward_wgmma(false) keep the mma.sync dK/dV kernel above, which
-// other GPUs run anyway. The two give dK, dV and dQ equal to rounding, not bitwise.
+// Whether the backward runs the Hopper wgmma kernel (attention_bwd_wgmma.cu) where it can:
+// the default. Atomic (set_attention_deterministic(false)): that kernel does everything;
+// deterministic at D = 128: it computes dK and dV and the mma.sync dQ pass follows. TESSERA_ATTN_BWD_WGMMA=0
+// (read once) or set_attention_backward_wgmma(false) keep the mma.sync dK/dV kernel above,
+// which other GPUs run anyway. The two give dK, dV and dQ equal to rounding, not bitwise.
 bool attention_backward_wgmma();
 void set_attention_backward_wgmma(bool on);
 

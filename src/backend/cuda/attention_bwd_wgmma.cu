@@ -247,7 +247,9 @@ __global__ void backward_row_stats_kernel(const float* __restrict__ lse, const f
   }
 }
 
-template <int D, bool kSplitDq>
+// kDq = false: dK and dV only (the deterministic backward computes dQ in a pass of its own);
+// kSplitDq: see the dQ product in the step loop.
+template <int D, bool kDq, bool kSplitDq>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_bwd_wgmma_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                                const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -345,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // No key of this warpgroup is seen by these rows (causal), or it has no keys at all.
     const bool idle = key_base >= S || (p.causal && key_base > m0 + kRows - 1 + diag);
-    if (idle && !kSplitDq) {
+    if (idle && !(kDq && kSplitDq)) {
       release();
       continue;
     }
@@ -395,9 +397,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_zero_ds_t(s_ds, warp, lane);  // the other warpgroup's dQ product reads it
     }
     fence_proxy_async_shared();
-    if constexpr (kSplitDq) bar_sync(1, kThreads);
+    if constexpr (kDq && kSplitDq) bar_sync(1, kThreads);
     else bar_sync(1 + wg, 128);
     if (!idle) issue_grad_ss<D>(dk, s_ds, s_q);
+    if constexpr (!kDq) {
+      wgmma_wait<0>();
+      fence_registers(dk);
+      release();
+      continue;
+    }
 
     // dQ += dS K, one 64-column box of the head dim at a time. kSplitDq: warpgroup wg takes
     // box wg over all 128 keys (both dS^T tiles); otherwise every box over its own 64 keys.
@@ -440,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <int D>
-void launch(cudaStream_t stream, const BwdParams& p, int64_t batch) {
+void launch(cudaStream_t stream, const BwdParams& p, int64_t batch, bool with_dq) {
   using C = BwdConfig<D>;
   constexpr const char* kWho = "attention backward (wgmma)";
   const CUtensorMap tm_q = make_bhd_tensor_map(p.q, batch, p.T, p.Hq, D, kRows, kWho);
@@ -457,7 +465,8 @@ void launch(cudaStream_t stream, const BwdParams& p, int64_t batch) {
   backward_row_stats_kernel<<<stat_blocks, 256, 0, stream>>>(p.lse, p.delta, stats, stats + n, rows, p.T, T_pad);
   TESSERA_CUDA_CHECK_LAUNCH();
 
-  auto kernel = attention_bwd_wgmma_kernel<D, kSplitDqAt128 && D == 128>;
+  auto kernel = with_dq ? attention_bwd_wgmma_kernel<D, true, kSplitDqAt128 && D == 128>
+                        : attention_bwd_wgmma_kernel<D, false, false>;
   TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
   const dim3 grid(static_cast<unsigned>(batch * p.Hkv), static_cast<unsigned>((p.S + kKeys - 1) / kKeys));
   kernel<<<grid, kThreads, C::kSmem, stream>>>(tm_q, tm_k, tm_v, tm_do, p, stats, stats + n, T_pad);
@@ -467,11 +476,11 @@ void launch(cudaStream_t stream, const BwdParams& p, int64_t batch) {
 
 }  // namespace
 
-bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch) {
+bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch, bool with_dq) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || !device_is_hopper(device)) return false;
-  if (D == 64) launch<64>(stream, p, batch);
-  else if (D == 128) launch<128>(stream, p, batch);
+  if (D == 64) launch<64>(stream, p, batch, with_dq);
+  else if (D == 128) launch<128>(stream, p, batch, with_dq);
   else return false;
   return true;
 }

@@ -30,9 +30,11 @@ struct BwdParams {
   float* dq_accum;  // the atomic variants' unscaled F32 dQ [B, T, Hq, D], zeroed first
 };
 
-// The wgmma backward: writes dk and dv, and adds the unscaled dQ into p.dq_accum (which the
-// caller zeroes before and converts to BF16 dq = scale * dq_accum after). False, launching
-// nothing, when this GPU is not Hopper or D is not 64 / 128.
-bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch);
+// The wgmma backward: writes dk and dv and, with with_dq, adds the unscaled dQ into
+// p.dq_accum (which the caller zeroes before and converts to BF16 dq = scale * dq_accum
+// after); without, dQ is left to the caller (the deterministic backward's own dQ pass) and
+// p.dq_accum is not used. False, launching nothing, when this GPU is not Hopper or D is not
+// 64 / 128.
+bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch, bool with_dq = true);
 
 }  // namespace tessera::cuda::attn
