@@ -32,8 +32,9 @@
 // forward+backward 226.4 against 218.0: only 3-4% for 2 of 7 products fewer, because the
 // dK/dV kernel (255 registers, spilling) is the bottleneck and now does more per step.
 // On Hopper the atomic variant runs attention_bwd_wgmma.cu instead (the same five products
-// on warpgroup MMAs; attention_bwd_variant.h has the switch), between the same memset and
-// conversion.
+// on warpgroup MMAs, between the same memset and conversion), and at D = 128 the
+// deterministic variant's kernel 2 is that kernel without its dQ part; attention_bwd_variant.h
+// has the switch.
 //
 // Floor: the 5 products FlashAttention-2 counts (2.5x the forward's FLOPs) over ~989
 // TFLOP/s; this split does 7 (dQ's pass recomputes 2), so 1.4x that count is executed.

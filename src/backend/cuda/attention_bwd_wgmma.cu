@@ -27,7 +27,9 @@
 //                                 barrier of the CTA between); at D = 64 each warpgroup all
 //                                 columns over its own keys. The FP32 block goes through shared
 //                                 memory to bulk reduce-adds (cp.reduce.async.bulk), a row each.
-// At D = 64, query tiles a warpgroup's keys are all hidden from (causal) are skipped.
+// At D = 64, query tiles a warpgroup's keys are all hidden from (causal) are skipped. With
+// kDq = false (launch_backward_wgmma's with_dq) the kernel stops after dK: the deterministic
+// backward's dK/dV pass at D = 128, its dQ coming from attention_bwd.cu's own pass.
 //
 // Floor: FlashAttention's count, 2.5x the forward's 4 B Hq T S D (halved when causal), over
 // ~989 TFLOP/s BF16 dense. Speed, H200 (2026-11-30, bench_attention, causal; bench/RESULTS.md):
@@ -52,8 +54,11 @@
 // memory, S^T, dP^T and dQ, read 4 KB per 131 kFLOP: 32 cycles either way), but a tile takes
 // ~8700 (4.5 ms over 1024 tiles an SM): each warpgroup's chain of products, softmax and
 // stores is latency-bound, and two warpgroups do not hide it (neither of the two attempts
-// above helped). FlashAttention-3 reaches ~1.5x this with 240-register warpgroups fed by a
-// producer, which ptxas did not give this code (above).
+// above helped). Found since: the producer version's spill came from the __trap() in
+// mbar_wait's hang guard (ptxas fits what is live at a trap into the launch-bound 168
+// registers, whatever setmaxnreg grants); with trap-free consumer waits that version ran
+// 337-345 TFLOP/s, but compute-sanitizer racecheck flagged its lse/Delta bulk copies against
+// the consumers' reads, so it is not in yet (bench/RESULTS.md, call 14).
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 

@@ -1,6 +1,8 @@
-// PTX wrappers for Hopper (sm_90a) GEMM kernels: mbarriers, TMA tile loads, wgmma shared-
-// memory descriptors and the warpgroup MMA itself. Used by grouped_gemm_wgmma.cu. Every
-// wrapper is one or two PTX instructions; the comments say what the hardware expects.
+// PTX wrappers for the Hopper (sm_90a) kernels: mbarriers, TMA tile loads and bulk copies,
+// bulk reduce-adds, wgmma shared-memory descriptors and the warpgroup MMA itself. Used by
+// grouped_gemm_wgmma.cu and the attention kernels attention_fwd_wgmma.cu and
+// attention_bwd_wgmma.cu. Every wrapper is one or two PTX instructions; the comments say what
+// the hardware expects.
 // Needs sm_90a (wgmma and setmaxnreg do not exist on plain sm_90 or earlier).
 #pragma once
 
@@ -113,11 +115,12 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
                : "memory");
 }
 
-// Adds `bytes` floats' worth of shared memory into global memory (FP32 add, performed by the
-// TMA unit and the L2: one operation per 16 bytes' worth of hardware atomics avoided). Both
-// addresses 16-byte aligned, bytes a multiple of 16. Tracked by bulk groups: bulk_commit
-// closes the thread's group; bulk_wait_read<N> waits until at most N of its groups still read
-// shared memory (the source may then be overwritten), bulk_wait<N> until they are complete.
+// Adds `bytes` bytes of FP32 values in shared memory, element by element, into global memory:
+// one asynchronous operation carried out by the TMA unit and the L2, instead of an atomic per
+// 4 to 16 bytes issued by the threads. Both addresses 16-byte aligned, bytes a multiple of 16.
+// Tracked by bulk groups: bulk_commit closes the thread's group; bulk_wait_read<N> waits until
+// at most N of its groups still read shared memory (the source may then be overwritten),
+// bulk_wait<N> until at most N are incomplete.
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
                    reinterpret_cast<uint64_t>(dst)),

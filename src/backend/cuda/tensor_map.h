@@ -1,7 +1,8 @@
 // Host-side support of the Hopper (sm_90a) kernels that load tiles with cp.async.bulk.tensor
 // and multiply with wgmma: the grouped GEMM (grouped_gemm_wgmma.cu) and the attention forward
-// (attention_fwd_wgmma.cu) and backward (attention_bwd_wgmma.cu). TMA tensor maps (cuTensorMapEncodeTiled comes through the
-// runtime's driver entry point, so tessera does not link libcuda) and the device check.
+// (attention_fwd_wgmma.cu) and backward (attention_bwd_wgmma.cu). TMA tensor maps
+// (cuTensorMapEncodeTiled comes through the runtime's driver entry point, so tessera does not
+// link libcuda) and the device check.
 // CUDA translation units only.
 #pragma once
 
