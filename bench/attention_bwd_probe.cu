@@ -292,28 +292,18 @@ __device__ float hash_uniform(uint64_t i, uint32_t seed) {
   return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
 }
 
-__global__ void fill_bf16(bf16_t* x, size_t n, uint32_t seed, float lo, float hi) {
+// T is float or bf16_t (its float constructor rounds to nearest, as __float2bfloat16).
+template <typename T>
+__global__ void fill_uniform(T* x, size_t n, uint32_t seed, float lo, float hi) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    x[i] = __float2bfloat16(lo + (hi - lo) * hash_uniform(i, seed));
+    x[i] = T(lo + (hi - lo) * hash_uniform(i, seed));
 }
 
-__global__ void fill_f32(float* x, size_t n, uint32_t seed, float lo, float hi) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    x[i] = lo + (hi - lo) * hash_uniform(i, seed);
-}
-
-bf16_t* random_device_bf16(size_t n, uint32_t seed, float lo, float hi) {
-  bf16_t* d = nullptr;
-  CHECK_CUDA(cudaMalloc(&d, n * 2));
-  fill_bf16<<<1024, 256>>>(d, n, seed, lo, hi);
-  CHECK_CUDA(cudaGetLastError());
-  return d;
-}
-
-float* random_device_f32(size_t n, uint32_t seed, float lo, float hi) {
-  float* d = nullptr;
-  CHECK_CUDA(cudaMalloc(&d, n * 4));
-  fill_f32<<<1024, 256>>>(d, n, seed, lo, hi);
+template <typename T>
+T* random_device(size_t n, uint32_t seed, float lo, float hi) {
+  T* d = nullptr;
+  CHECK_CUDA(cudaMalloc(&d, n * sizeof(T)));
+  fill_uniform<T><<<1024, 256>>>(d, n, seed, lo, hi);
   CHECK_CUDA(cudaGetLastError());
   return d;
 }
@@ -333,14 +323,14 @@ double time_ms(const Problem& p, const Buffers& b, bool with_memset) {
 
 void time_backward(const Problem& p) {
   Buffers b;
-  b.q = random_device_bf16(p.nq(), 1, -2, 2);
-  b.k = random_device_bf16(p.nk(), 2, -2, 2);
-  b.v = random_device_bf16(p.nk(), 3, -1, 1);
-  b.dout = random_device_bf16(p.nq(), 4, -1, 1);
+  b.q = random_device<bf16_t>(p.nq(), 1, -2, 2);
+  b.k = random_device<bf16_t>(p.nk(), 2, -2, 2);
+  b.v = random_device<bf16_t>(p.nk(), 3, -1, 1);
+  b.dout = random_device<bf16_t>(p.nq(), 4, -1, 1);
   // Not the forward's lse: plausible values that keep exp(s - lse) finite (the scaled scores
   // of these inputs stay within about +-10), which is all the timing needs.
-  b.lse = random_device_f32(p.nrows(), 5, 4.5f, 5.5f);
-  b.delta = random_device_f32(p.nrows(), 6, -0.1f, 0.1f);
+  b.lse = random_device<float>(p.nrows(), 5, 4.5f, 5.5f);
+  b.delta = random_device<float>(p.nrows(), 6, -0.1f, 0.1f);
   alloc_outputs(p, b);
   CHECK_CUDA(cudaMemset(b.dq_accum, 0, p.nq() * 4));
   CHECK_CUDA(cudaDeviceSynchronize());
