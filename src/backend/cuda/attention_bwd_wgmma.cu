@@ -10,12 +10,14 @@
 // lse, delta [B, Hq, T] F32; contiguous; bottom-right causal alignment (query i sees keys
 // j <= i + S - T).
 //
-// Structure (sm_90a): a CTA owns 128 keys of one (batch, kv head) and is two warpgroups of 64
-// keys each; each thread keeps its share of its warpgroup's dK and dV (64 keys x D in FP32:
-// 2 x 64 registers at D = 128) for the whole kernel. Thread 0 loads K and V once and then, for
-// every 64-row query tile of every query head of the GQA group, Q and dO (TMA, 128-byte
-// swizzle) and that tile's lse (times log2 e) and Delta (bulk copies from a padded copy made
-// first) into a two-stage ring. Per query tile, each warpgroup computes, keys as the M dimension:
+// Structure (sm_90a): a CTA owns 128 keys of one (batch, kv head) and is two consumer
+// warpgroups of 64 keys each plus a producer warpgroup that hands them its registers
+// (setmaxnreg: 240 a consumer thread); each consumer thread keeps its share of its warpgroup's
+// dK and dV (64 keys x D in FP32: 2 x 64 registers at D = 128) for the whole kernel. One
+// producer thread loads K and V once and then, for every 64-row query tile of every query
+// head of the GQA group, Q and dO (TMA, 128-byte swizzle) and that tile's lse (times log2 e)
+// and Delta (bulk copies from a padded copy made first) into a two-stage ring. Per query
+// tile, each consumer warpgroup computes, keys as the M dimension:
 //   S^T = K Q^T, dP^T = V dO^T    wgmma m64n64, both operands K-major from shared memory;
 //   P^T = exp2(S^T scale_log2 - lse), masked on causal-diagonal and sequence-end tiles;
 //   dV += P^T dO                  register-A wgmma (P^T straight from the score registers, as
@@ -32,14 +34,22 @@
 // backward's dK/dV pass at D = 128, its dQ coming from attention_bwd.cu's own pass.
 //
 // Floor: FlashAttention's count, 2.5x the forward's 4 B Hq T S D (halved when causal), over
-// ~989 TFLOP/s BF16 dense. Speed, H200 (2026-11-30, bench_attention, causal; bench/RESULTS.md):
-// B=4 H=32 T=4096 D=128 backward 285-295 TFLOP/s (29% of the peak), against 227 for the
-// mma.sync kernel with atomic dQ in the same run; D = 64: 150 (B=16 H=12 T=1024) and 181
-// (B=4 Hq=32 Hkv=8 T=2048). What was measured on the way (attention_bwd_probe, D = 128):
-//   - a producer warpgroup handing its registers over (setmaxnreg 240 / 24): ptxas kept the
-//     consumer code near 235 registers, spilled ~1 KB and serialised every wgmma (C7512),
-//     although the same code fits 232 when the whole kernel may have them. Hence no producer:
-//     256 threads get 255 registers each, and thread 0 issues the loads;
+// ~989 TFLOP/s BF16 dense. Speed, H200 (2026-12-01, causal; bench/RESULTS.md, twelfth
+// session): B=4 H=32 T=4096 D=128 backward 321 TFLOP/s in bench_attention (340-346 alone in
+// attention_bwd_probe, 34% of the peak), against 302 for the same kernel without the producer
+// warpgroup (256 threads, 255 registers, thread 0 loading) and 225 for the mma.sync kernel
+// with atomic dQ; D = 64: 166 (B=16 H=12 T=1024) and 210 (B=4 Hq=32 Hkv=8 T=2048). What was
+// measured on the way (probe, D = 128):
+//   - the first producer version spilled ~1 KB and serialised every wgmma (C7512): the
+//     trap in mbar_wait's hang guard makes ptxas fit what is live at it into the launch-bound
+//     168 registers, whatever setmaxnreg grants. The consumers now wait without a trap
+//     (mbar_wait<true>) and ptxas uses up to R237 with no spill;
+//   - every consumer thread arrives on a stage's "empty" barrier, not lane 0 after a
+//     __syncwarp: with lane-0 arrivals compute-sanitizer racecheck reports the producer's
+//     lse/Delta bulk copies against the other lanes' reads (it does not take __syncwarp plus
+//     one arrival as ordering them); with all threads arriving it reports nothing, at the
+//     same speed.
+// The 256-thread version (no producer), measured before the trap was found:
 //   - dQ over each warpgroup's own keys (no barrier between the warpgroups, twice the adds):
 //     272 against 293 TFLOP/s for the split by columns;
 //   - 16-byte atomics from registers (red.global.add.v4.f32) instead of the bulk reduces:
@@ -52,13 +62,9 @@
 // Where the time goes, roughly: per tile and SM the products need ~2560 tensor-core cycles
 // and ~2100 cycles of shared-memory reads (the m64n64 products with both operands in shared
 // memory, S^T, dP^T and dQ, read 4 KB per 131 kFLOP: 32 cycles either way), but a tile takes
-// ~8700 (4.5 ms over 1024 tiles an SM): each warpgroup's chain of products, softmax and
-// stores is latency-bound, and two warpgroups do not hide it (neither of the two attempts
-// above helped). Found since: the producer version's spill came from the __trap() in
-// mbar_wait's hang guard (ptxas fits what is live at a trap into the launch-bound 168
-// registers, whatever setmaxnreg grants); with trap-free consumer waits that version ran
-// 337-345 TFLOP/s, but compute-sanitizer racecheck flagged its lse/Delta bulk copies against
-// the consumers' reads, so it is not in yet (bench/RESULTS.md, call 14).
+// ~7600 at 340 TFLOP/s: each warpgroup's chain of products, softmax and stores is
+// latency-bound and two warpgroups hide only part of it. Next: retry the pipelined schedule
+// above with the 240 registers the producer now gives.
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
@@ -76,16 +82,15 @@ namespace {
 
 using namespace sm90;
 
-constexpr int kWgKeys = 64;                    // keys per warpgroup (wgmma's M)
-constexpr int kConsumers = 2;                  // warpgroups
+constexpr int kWgKeys = 64;                    // keys per consumer warpgroup (wgmma's M)
+constexpr int kConsumers = 2;                  // consumer warpgroups
 constexpr int kKeys = kWgKeys * kConsumers;    // keys per CTA
 constexpr int kRows = 64;                      // query rows per step
-// No producer warpgroup: 256 threads may use 255 registers each, which dK + dV (128 a
-// thread at D = 128) and a step's scores need. A version with a producer warpgroup handing
-// its registers over (setmaxnreg 240 / 24) spilled: ptxas did not let the consumer code use
-// them all (it stopped around R235 and serialised the wgmmas, C7512), although the same code
-// needs only 232 when the whole kernel may have that many.
-constexpr int kThreads = kConsumers * 128;
+constexpr int kThreads = (kConsumers + 1) * 128;  // + a producer warpgroup
+// The producer hands its registers to the consumers (setmaxnreg): 2 x 128 x 240 + 128 x 24 =
+// 64512 of 65536. dK + dV are 128 a thread at D = 128, a step's scores 64 more.
+constexpr int kConsumerRegisters = 240;
+constexpr int kProducerRegisters = 24;
 constexpr int kStages = 2;
 constexpr bool kSplitDqAt128 = true;
 constexpr int kDqStride = 72;  // floats per row of a staged dQ block: 64 + 8 so that the stores are conflict-free
@@ -287,39 +292,44 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_init(smem_addr(&kv_full), 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_addr(&full[s]), 1);
-      mbar_init(smem_addr(&empty[s]), kConsumers * 4);  // one arrival per warp
+      mbar_init(smem_addr(&empty[s]), kConsumers * 128);  // every consumer thread arrives
     }
     mbar_fence_init();
   }
   __syncthreads();
 
-  // Thread 0 loads: K and V once, then step n's Q, dO, lse2 and Delta into stage n % kStages
-  // once every warp has released that stage's previous step.
-  auto load_step = [&](int n) {
-    const int s = n % kStages;
-    mbar_wait(smem_addr(&empty[s]), ((n / kStages) & 1) ^ 1);  // first lap: passes at once
-    const int h = steps.head(n, kvh, p.group), m0 = steps.row0(n);
-    const uint32_t f = smem_addr(&full[s]);
-    mbar_arrive_expect_tx(f, C::kStepBytes);
+  // The producer warpgroup: one thread loads K and V once, then step n's Q, dO, lse2 and
+  // Delta into stage n % kStages once every consumer warp has released that stage's previous
+  // step.
+  if (threadIdx.x / 128 == kConsumers) {
+    regs_dealloc<kProducerRegisters>();
+    if (threadIdx.x == kConsumers * 128) {
+      const uint32_t kvf = smem_addr(&kv_full);
+      mbar_arrive_expect_tx(kvf, 2 * C::kKVBytes);
 #pragma unroll
-    for (int j = 0; j < C::kBoxes; ++j) {
-      tma_load_4d(s_q0 + s * C::kRowBytes + j * C::kRowBox, &tm_q, f, 64 * j, h, m0, b);
-      tma_load_4d(s_do0 + s * C::kRowBytes + j * C::kRowBox, &tm_do, f, 64 * j, h, m0, b);
-    }
-    const int64_t row = (static_cast<int64_t>(b) * p.Hq + h) * T_pad + m0;
-    bulk_load(smem_addr(&lse_log2[s][0]), lse2 + row, kRows * 4, f);
-    bulk_load(smem_addr(&delta_s[s][0]), delta_pad + row, kRows * 4, f);
-  };
-  if (threadIdx.x == 0) {
-    const uint32_t kvf = smem_addr(&kv_full);
-    mbar_arrive_expect_tx(kvf, 2 * C::kKVBytes);
+      for (int j = 0; j < C::kBoxes; ++j) {
+        tma_load_4d(s_k + j * C::kKVBox, &tm_k, kvf, 64 * j, kvh, key0, b);
+        tma_load_4d(s_v + j * C::kKVBox, &tm_v, kvf, 64 * j, kvh, key0, b);
+      }
+      for (int n = 0; n < steps.total; ++n) {
+        const int s = n % kStages;
+        mbar_wait(smem_addr(&empty[s]), ((n / kStages) & 1) ^ 1);  // first lap: passes at once
+        const int h = steps.head(n, kvh, p.group), m0 = steps.row0(n);
+        const uint32_t f = smem_addr(&full[s]);
+        mbar_arrive_expect_tx(f, C::kStepBytes);
 #pragma unroll
-    for (int j = 0; j < C::kBoxes; ++j) {
-      tma_load_4d(s_k + j * C::kKVBox, &tm_k, kvf, 64 * j, kvh, key0, b);
-      tma_load_4d(s_v + j * C::kKVBox, &tm_v, kvf, 64 * j, kvh, key0, b);
+        for (int j = 0; j < C::kBoxes; ++j) {
+          tma_load_4d(s_q0 + s * C::kRowBytes + j * C::kRowBox, &tm_q, f, 64 * j, h, m0, b);
+          tma_load_4d(s_do0 + s * C::kRowBytes + j * C::kRowBox, &tm_do, f, 64 * j, h, m0, b);
+        }
+        const int64_t row = (static_cast<int64_t>(b) * p.Hq + h) * T_pad + m0;
+        bulk_load(smem_addr(&lse_log2[s][0]), lse2 + row, kRows * 4, f);
+        bulk_load(smem_addr(&delta_s[s][0]), delta_pad + row, kRows * 4, f);
+      }
     }
-    for (int n = 0; n < min(kStages - 1, steps.total); ++n) load_step(n);
+    return;
   }
+  regs_alloc<kConsumerRegisters>();
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int key_base = key0 + wg * kWgKeys;        // this warpgroup's first key
@@ -331,17 +341,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
 
-  mbar_wait(smem_addr(&kv_full), 0);
+  // The consumers' waits must not trap (sm90_ptx.cuh, mbar_wait): that would cost them the
+  // registers setmaxnreg gave them.
+  mbar_wait<true>(smem_addr(&kv_full), 0);
   for (int t = 0; t < steps.total; ++t) {
-    if (threadIdx.x == 0 && t + kStages - 1 < steps.total) load_step(t + kStages - 1);
-    __syncwarp();  // warp 0 whole again before its next wgmma (.aligned)
     const int s = t % kStages;
     const int h = steps.head(t, kvh, p.group), m0 = steps.row0(t);
     const uint32_t s_q = s_q0 + s * C::kRowBytes, s_do = s_do0 + s * C::kRowBytes;
-    mbar_wait(smem_addr(&full[s]), (t / kStages) & 1);
+    mbar_wait<true>(smem_addr(&full[s]), (t / kStages) & 1);
     auto release = [&] {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
+      // Every thread arrives after its own reads of the stage (its lse/Delta loads included),
+      // rather than lane 0 after __syncwarp: the release is then the reading thread's own.
+      mbar_arrive(smem_addr(&empty[s]));
     };
     // This step's two dS^T tiles (one per warpgroup, [64 keys][64 queries] each, so together
     // the CTA's 128 keys in order), double-buffered by step: a warpgroup that runs ahead into
@@ -402,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_zero_ds_t(s_ds, warp, lane);  // the other warpgroup's dQ product reads it
     }
     fence_proxy_async_shared();
-    if constexpr (kDq && kSplitDq) bar_sync(1, kThreads);
+    if constexpr (kDq && kSplitDq) bar_sync(1, kConsumers * 128);
     else bar_sync(1 + wg, 128);
     if (!idle) issue_grad_ss<D>(dk, s_ds, s_q);
     if constexpr (!kDq) {
