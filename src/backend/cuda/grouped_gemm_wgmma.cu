@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t it = i * k_iters, prev = 0;
       for (int kb = 0; kb < k_iters; ++kb, ++it) {
         const uint32_t s = it % kStages, phase = (it / kStages) & 1;
-        mbar_wait(smem_addr(&full_bar[s]), phase);
+        mbar_wait<true>(smem_addr(&full_bar[s]), phase);
         const uint32_t a = a_stage0 + s * C::kABytes;
         const uint32_t b = b_stage0 + s * C::kBBytes;
         wgmma_fence();
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t prev = 0;
       for (int kb = 0; kb < k_iters; ++kb, ++it) {
         const uint32_t s = it % kStages, phase = (it / kStages) & 1;
-        mbar_wait(smem_addr(&full_bar[s]), phase);
+        mbar_wait<true>(smem_addr(&full_bar[s]), phase);
         const uint32_t a = a_stage0 + s * C::kABytes + wg * 64 * 128;  // this warpgroup's 64 rows
         const uint32_t b = b_stage0 + s * C::kBBytes;
         if constexpr (kMode == kWait0) fence_registers(acc);
