@@ -81,10 +81,15 @@ int main(int argc, char** argv) {
   bool cuda_graph = false;
   app.add_flag("--cuda-graph", cuda_graph,
                "Also time the step captured into a CUDA graph (after the eager steps; reports both medians)");
+  bool keep_activation = false;
+  app.add_flag("--keep-activation", keep_activation,
+               "llama: keep the SwiGLU output from forward to backward instead of recomputing it "
+               "(model.recompute_activation: false)");
   CLI11_PARSE(app, argc, argv);
   try {
     models::ModelConfig config = named_or_json(model_json);
     if (vocab > 0) config.vocab_size = vocab;
+    if (keep_activation) config.recompute_activation = false;
     if (device == "cuda" && !cuda_available()) throw std::runtime_error("--device cuda: no GPU present");
     Context ctx = device == "cuda" ? Context::cuda() : Context::cpu();
     const Stream stream = Stream::create(ctx.device);

@@ -183,6 +183,33 @@ TEST(Swiglu, BackwardInPlaceOverInput) {
   EXPECT_EQ(x.to_doubles(), want.to_doubles());
 }
 
+// The optional y of the backward is the forward's output, bit for bit, and leaves dx as it was
+// (also when dx is x itself).
+TEST(Swiglu, BackwardRecomputesTheForwardOutput) {
+  Context ctx = Context::cpu();
+  for (DType t : {DType::F32, DType::BF16, DType::F64}) {
+    const Tensor x = random_tensor({5, 18}, t, 21, -4.0f, 4.0f), dy = random_tensor({5, 9}, t, 22);
+    Tensor y_want = Tensor::empty({5, 9}, t), y = Tensor::empty({5, 9}, t);
+    Tensor dx_want = Tensor::empty({5, 18}, t), dx = Tensor::empty({5, 18}, t);
+    swiglu_forward(ctx, x, y_want);
+    swiglu_backward(ctx, x, dy, dx_want);
+    swiglu_backward(ctx, x, dy, dx, &y);
+    EXPECT_EQ(y.to_doubles(), y_want.to_doubles()) << dtype_name(t);
+    EXPECT_EQ(dx.to_doubles(), dx_want.to_doubles()) << dtype_name(t);
+    Tensor x_in_place = x.clone();
+    Tensor y2 = Tensor::empty({5, 9}, t);
+    swiglu_backward(ctx, x_in_place, dy, x_in_place, &y2);
+    EXPECT_EQ(y2.to_doubles(), y_want.to_doubles()) << dtype_name(t);
+    EXPECT_EQ(x_in_place.to_doubles(), dx_want.to_doubles()) << dtype_name(t);
+  }
+  const Tensor x = random_tensor({2, 6}, DType::F32, 1), dy = random_tensor({2, 3}, DType::F32, 2);
+  Tensor dx = Tensor::empty({2, 6}, DType::F32), wrong = Tensor::empty({2, 6}, DType::F32);
+  EXPECT_THROW(swiglu_backward(ctx, x, dy, dx, &wrong), Error);  // y must be [.., F]
+  Tensor x_copy = x.clone();
+  Tensor y_over_x = x_copy.slice(1, 0, 3);
+  EXPECT_THROW(swiglu_backward(ctx, x_copy, dy, dx, &y_over_x), Error);  // y inside x
+}
+
 TEST(Swiglu, RejectsBadArguments) {
   Context ctx = Context::cpu();
   Tensor x = Tensor::zeros({4, 8}, DType::BF16), y = Tensor::zeros({4, 4}, DType::BF16);

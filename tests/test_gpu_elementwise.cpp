@@ -56,6 +56,11 @@ TEST(GpuElementwise, MatchesTheCpuReference) {
         swiglu_backward(cpu, x, dy, dwant);
         swiglu_backward(gpu, x.to(cuda), dy.to(cuda), dgot);
         EXPECT_LT(relative_error(dgot.to(Device::cpu()), dwant), tolerance(t)) << "swiglu_backward " << what;
+        // The recomputed forward output: the CUDA forward's bits, dx unchanged.
+        Tensor dgot2 = poisoned_like(shape, t, cuda), ygot = poisoned_like(half, t, cuda);
+        swiglu_backward(gpu, x.to(cuda), dy.to(cuda), dgot2, &ygot);
+        EXPECT_EQ(ygot.to(Device::cpu()).to_doubles(), got.to(Device::cpu()).to_doubles()) << "swiglu_backward y " << what;
+        EXPECT_EQ(dgot2.to(Device::cpu()).to_doubles(), dgot.to(Device::cpu()).to_doubles()) << "swiglu_backward y " << what;
       }
     }
   }

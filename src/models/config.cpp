@@ -82,7 +82,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
                                 "num_experts", "num_experts_per_tok", "router_score", "router_normalize",
                                 "router_num_groups", "router_topk_groups", "router_scaling", "router_aux_loss_coef",
                                 "router_z_loss_coef", "capacity_factor", "expert_bias_rate",
-                                "moe_recompute_activation"};
+                                "moe_recompute_activation", "recompute_activation"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -116,6 +116,10 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   read_key(j, "capacity_factor", c.capacity_factor);
   read_key(j, "expert_bias_rate", c.expert_bias_rate);
   read_key(j, "moe_recompute_activation", c.moe_recompute_activation);
+  read_key(j, "recompute_activation", c.recompute_activation);
+  TESSERA_CHECK(c.architecture == "llama" || !j.contains("recompute_activation"),
+                "model.recompute_activation applies to the llama architecture only (its SwiGLU MLP; mixtral has "
+                "model.moe_recompute_activation)");
   if (!c.is_moe()) {
     for (const char* key : {"num_experts", "num_experts_per_tok", "router_score", "router_normalize", "router_num_groups",
                             "router_topk_groups", "router_scaling", "router_aux_loss_coef", "router_z_loss_coef",
@@ -145,6 +149,7 @@ nlohmann::json ModelConfig::to_json() const {
     j["expert_bias_rate"] = expert_bias_rate;
     if (moe_recompute_activation) j["moe_recompute_activation"] = true;  // written only when set
   }
+  if (architecture == "llama" && !recompute_activation) j["recompute_activation"] = false;  // written only when off
   return j;
 }
 

@@ -184,7 +184,7 @@ Tensor Linear::backward_input(Context& ctx, const Tensor& dy, const Saved& saved
     return dx;
   }
   if (saved.fp8) return backward_input(ctx, fp8_.scaling->quantize(ctx, dy, fp8_.layer, Fp8Scaling::kGradOutput), saved);
-  Tensor dx = Tensor::empty({saved.x.size(0), in_}, weight.value.dtype(), ctx.device);
+  Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);  // saved.x may be gone (MLP)
   gemm(ctx, dy, weight.value, dx);  // dx = dy W
   return dx;
 }

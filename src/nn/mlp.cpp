@@ -69,7 +69,9 @@ Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
       return proj.forward(ctx, swiglu_to_fp8(ctx, *this, saved.h_pre), saved.proj_in);
     Tensor h = Tensor::empty({x.size(0), proj.in_features()}, x.dtype(), ctx.device);
     swiglu_forward(ctx, saved.h_pre, h);
-    return proj.forward(ctx, h, saved.proj_in);
+    Tensor y = proj.forward(ctx, h, saved.proj_in);
+    if (recompute_activation && !saved.proj_in.fp8) saved.proj_in.x = Tensor();  // backward_input rewrites it
+    return y;
   }
   Tensor h;
   if (fc.runs_fp8(x)) {
@@ -149,6 +151,11 @@ Tensor MLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) const {
     gelu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);
   } else if (activation == Activation::GELU) {
     gemm_gelu_backward(ctx, dy, proj.weight.value, saved.h_pre, saved.d_h_pre);  // (dy W) * gelu'(h_pre)
+  } else if (!saved.proj_in.fp8 && !saved.proj_in.x.defined()) {
+    // recompute_activation: h for proj's weight gradient, from the same pass.
+    const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
+    saved.proj_in.x = Tensor::empty(d_h.shape(), saved.h_pre.dtype(), ctx.device);
+    swiglu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre, &saved.proj_in.x);
   } else {
     const Tensor d_h = proj.backward_input(ctx, dy, saved.proj_in);
     swiglu_backward(ctx, saved.h_pre, d_h, saved.d_h_pre);

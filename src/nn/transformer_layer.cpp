@@ -48,6 +48,7 @@ TransformerLayer::TransformerLayer(const std::string& name, const models::ModelC
       norm1_qkv_(norm1, attn.qkv),
       norm2_mlp_(norm2, mlp) {
   if (c.is_moe()) moe = std::make_unique<MoELayer>(name + ".moe", moe_options(c), dtype);
+  mlp.recompute_activation = c.recompute_activation && !c.is_gpt2();
 }
 
 TransformerLayer::Output TransformerLayer::forward(Context& ctx, const Tensor& x, const Tensor& branch, int64_t batch,

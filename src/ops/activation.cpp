@@ -85,24 +85,30 @@ void swiglu_forward(Context& ctx, const Tensor& x, Tensor& y) {
   cpu::swiglu_forward(x, y);
 }
 
-void swiglu_backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& dx) {
+void swiglu_backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& dx, Tensor* y) {
   const char* op = "swiglu_backward";
   check_operand(x, op, "x");
   check_operand(dy, op, "dy");
   check_operand(dx, op, "dx");
   check_shape(dy, swiglu_output_shape(x, op), op, "dy");
   check_shape(dx, x.shape(), op, "dx");
+  if (y) {
+    check_operand(*y, op, "y");
+    check_shape(*y, dy.shape(), op, "y");
+    TESSERA_CHECK(!y->shares_storage(x) && !y->shares_storage(dx), op, ": y must not overlap x or dx");
+  }
   check_on_device(ctx, op, {&x, &dy, &dx});
+  if (y) check_on_device(ctx, op, {y});
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
-    if (cuda::elementwise_supported({&x, &dy, &dx})) {
-      cuda::swiglu_backward(ctx.stream, x, dy, dx);
+    if (cuda::elementwise_supported({&x, &dy, &dx}) && (!y || cuda::elementwise_supported({y}))) {
+      cuda::swiglu_backward(ctx.stream, x, dy, dx, y);
       return;
     }
 #endif
     fail_no_kernel(op, ctx);
   }
-  cpu::swiglu_backward(x, dy, dx);
+  cpu::swiglu_backward(x, dy, dx, y);
 }
 
 namespace {

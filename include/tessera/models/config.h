@@ -40,6 +40,10 @@ struct ModelConfig {
   // Recompute the experts' SwiGLU output in the backward instead of keeping it (BF16 path;
   // bit-identical; saves M x ffn x 2 bytes per MoE layer, nn::GroupedMLP).
   bool moe_recompute_activation = false;
+  // llama: recompute the SwiGLU output in the backward, inside the activation's backward
+  // pass, instead of keeping it from the forward (bit-identical; saves N x ffn x 2 bytes per
+  // layer, nn::MLP::recompute_activation). On by default, as torch.compile does.
+  bool recompute_activation = true;
 
   bool is_gpt2() const { return architecture == "gpt2"; }
   bool is_moe() const { return architecture == "mixtral"; }

@@ -30,7 +30,10 @@ void swiglu_forward(Context& ctx, const Tensor& x, Tensor& y);
 //   dgate = dy * up * sigmoid(g) * (1 + g * (1 - sigmoid(g)))    (columns [0, F))
 //   dup   = dy * silu(g)                                        (columns [F, 2F))
 // dx may be the same tensor as x (the forward input is then overwritten).
-void swiglu_backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& dx);
+// y, when given ([..., F], not x or dx), also receives the forward's output silu(gate) * up,
+// bit for bit what swiglu_forward writes: for an MLP that did not keep it (recomputation), in
+// the pass that reads x anyway instead of a second one.
+void swiglu_backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor& dx, Tensor* y = nullptr);
 
 // ---- SwiGLU fused with the FP8 cast of its output (the FP8 MLP) ----------------------------
 //

@@ -91,12 +91,16 @@ void swiglu_forward(const Tensor& x, Tensor& y) {
   });
 }
 
-void swiglu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+void swiglu_backward(const Tensor& x, const Tensor& dy, Tensor& dx, Tensor* y) {
   dispatch_compute_type(x.dtype(), [&](auto zero) {
     using T = decltype(zero);
     const int64_t width = x.size(-1), half = width / 2, rows = width == 0 ? 0 : x.numel() / width;
     ReadBuffer<T> in(x), grad_out(dy);
     WriteBuffer<T> grad_in(dx);
+    // An undefined tensor when y is not wanted: nothing is written to it.
+    Tensor none;
+    WriteBuffer<T> forward_out(y ? *y : none);
+    T* yd = y ? forward_out.data() : nullptr;
 #pragma omp parallel for schedule(static) if (x.numel() >= kMinParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
       const T* gate = in.data() + r * width;
@@ -104,14 +108,17 @@ void swiglu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
       const T* dyr = grad_out.data() + r * half;
       T* dgate = grad_in.data() + r * width;
       T* dup = dgate + half;
+      T* yr = yd ? yd + r * half : nullptr;
       for (int64_t c = 0; c < half; ++c) {
         const T g = gate[c], s = sigmoid(g), u = up[c], d = dyr[c];
         // Both values are read before either gradient is stored.
         dgate[c] = d * u * s * (T(1) + g * (T(1) - s));
         dup[c] = d * g * s;
+        if (yr) yr[c] = g * s * u;  // swiglu_forward's expression: gate * sigmoid(gate) * up
       }
     }
     grad_in.commit();
+    if (y) forward_out.commit();
   });
 }
 

@@ -56,7 +56,7 @@ void scale(void* stream, const Tensor& in, float alpha, Tensor& out);
 void gelu_forward(void* stream, const Tensor& x, Tensor& y);
 void gelu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx);
 void swiglu_forward(void* stream, const Tensor& x, Tensor& y);
-void swiglu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx);
+void swiglu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx, Tensor* y = nullptr);
 
 // 2-D transpose (backend/cuda/elementwise.cu): any dtype of 1, 2, 4 or 8 bytes, moved as
 // raw bits through shared-memory tiles.

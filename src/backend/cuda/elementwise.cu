@@ -19,7 +19,8 @@
 // 16384 x 4096 BF16 against cudaMemcpy D2D (3.8 TB/s) in the same run, before -> after the
 // vector paths: add 60 -> 108%, scale 46 -> 99%, GELU forward 41 -> 85%, backward 53 -> 96%,
 // SwiGLU forward 41 -> 108%, backward 48 -> 110% (over 100%: more reads than writes, which
-// DRAM serves better than a copy's half-and-half).
+// DRAM serves better than a copy's half-and-half). SwiGLU backward with y (the forward's
+// output written again, for nn::MLP's recomputation) moves 6 activations; not timed apart.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -187,9 +188,11 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // dx may be x: each unit's gate and up are read before they are written, by the same thread.
+// y (nullable): the forward's output recomputed in the same pass, with swiglu_forward_kernel's
+// expression (same bits), for an MLP that did not keep it.
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_backward_kernel(const T* x, const T* __restrict__ dy, T* dx, int64_t rows, int64_t f) {
+    swiglu_backward_kernel(const T* x, const T* __restrict__ dy, T* dx, T* __restrict__ y, int64_t rows, int64_t f) {
   constexpr int V = kVec ? kWidth : 1;
   const int64_t per_row = f / V, units = rows * per_row;
   const bool narrow = units <= 0xffffffffLL;
@@ -197,7 +200,7 @@ __global__ void __launch_bounds__(kThreads)
     int64_t r, c;
     split_index(u, per_row, narrow, r, c);
     const int64_t at = r * 2 * f + c * V;
-    float g[V], up[V], d[V], dg[V], du[V];
+    float g[V], up[V], d[V], dg[V], du[V], out[V];
     if constexpr (kVec) {
       vec::load8(x + at, g);
       vec::load8(x + at + f, up);
@@ -212,20 +215,25 @@ __global__ void __launch_bounds__(kThreads)
       const float s = sigmoid<T>(g[e]);
       dg[e] = d[e] * up[e] * s * (1.0f + g[e] * (1.0f - s));
       du[e] = d[e] * g[e] * s;
+      out[e] = g[e] * s * up[e];
     }
     if constexpr (kVec) {
       vec::store8(dx + at, dg);
       vec::store8(dx + at + f, du);
+      if (y) vec::store8(y + u * V, out);
     } else {
       vec::store(dx, at, dg[0]);
       vec::store(dx, at + f, du[0]);
+      if (y) vec::store(y, u, out[0]);
     }
   }
 }
 
 template <typename T, typename Launch>
-void launch_swiglu(const T* x, const T* dy, const T* out, int64_t rows, int64_t f, Launch&& launch) {
-  const bool vectorised = f % kWidth == 0 && vec::aligned16(x) && vec::aligned16(out) && (!dy || vec::aligned16(dy));
+void launch_swiglu(const T* x, const T* dy, const T* out, int64_t rows, int64_t f, Launch&& launch,
+                   const T* out2 = nullptr) {
+  const bool vectorised = f % kWidth == 0 && vec::aligned16(x) && vec::aligned16(out) && (!dy || vec::aligned16(dy)) &&
+                          (!out2 || vec::aligned16(out2));
   if (vectorised) launch(std::true_type{}, grid_for(rows * (f / kWidth)));
   else launch(std::false_type{}, grid_for(rows * f));
 }
@@ -366,16 +374,20 @@ void swiglu_forward(void* stream, const Tensor& x, Tensor& y) {
   TESSERA_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx) {
+void swiglu_backward(void* stream, const Tensor& x, const Tensor& dy, Tensor& dx, Tensor* y) {
   const int64_t f = dy.size(-1), rows = f ? dy.numel() / f : 0;
   if (rows * f == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
   vec::dispatch(dx.dtype(), "swiglu_backward", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    launch_swiglu<T>(x.data<T>(), dy.data<T>(), dx.data<T>(), rows, f, [&](auto vec_tag, unsigned grid) {
-      swiglu_backward_kernel<T, decltype(vec_tag)::value><<<grid, kThreads, 0, s>>>(x.data<T>(), dy.data<T>(),
-                                                                                    dx.data<T>(), rows, f);
-    });
+    T* yp = y ? y->data<T>() : nullptr;
+    launch_swiglu<T>(
+        x.data<T>(), dy.data<T>(), dx.data<T>(), rows, f,
+        [&](auto vec_tag, unsigned grid) {
+          swiglu_backward_kernel<T, decltype(vec_tag)::value>
+              <<<grid, kThreads, 0, s>>>(x.data<T>(), dy.data<T>(), dx.data<T>(), yp, rows, f);
+        },
+        yp);
   });
   TESSERA_CUDA_CHECK_LAUNCH();
 }
