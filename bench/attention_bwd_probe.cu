@@ -51,7 +51,7 @@ struct Problem {
 struct Buffers {
   bf16_t *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
   bf16_t *dq = nullptr, *dk = nullptr, *dv = nullptr;
-  float *lse = nullptr, *delta = nullptr, *dq_accum = nullptr;
+  float *lse = nullptr, *delta = nullptr, *dq_accum = nullptr, *row_stats = nullptr;
 };
 
 float* to_device_f32(const std::vector<float>& x) {
@@ -66,13 +66,17 @@ void alloc_outputs(const Problem& p, Buffers& b) {
   CHECK_CUDA(cudaMalloc(&b.dk, p.nk() * 2));
   CHECK_CUDA(cudaMalloc(&b.dv, p.nk() * 2));
   CHECK_CUDA(cudaMalloc(&b.dq_accum, p.nq() * 4));
+  BwdParams shape{};
+  shape.T = p.T;
+  shape.Hq = p.Hq;
+  CHECK_CUDA(cudaMalloc(&b.row_stats, backward_wgmma_scratch_floats(p.B, shape) * 4));
 }
 
 void free_buffers(Buffers& b) {
   for (void* ptr : {static_cast<void*>(b.q), static_cast<void*>(b.k), static_cast<void*>(b.v),
                     static_cast<void*>(b.dout), static_cast<void*>(b.dq), static_cast<void*>(b.dk),
                     static_cast<void*>(b.dv), static_cast<void*>(b.lse), static_cast<void*>(b.delta),
-                    static_cast<void*>(b.dq_accum)})
+                    static_cast<void*>(b.dq_accum), static_cast<void*>(b.row_stats)})
     CHECK_CUDA(cudaFree(ptr));
 }
 
@@ -99,7 +103,9 @@ BwdParams params(const Problem& p, const Buffers& b) {
   return bp;
 }
 
-bool launch(const Problem& p, const Buffers& b) { return launch_backward_wgmma(nullptr, params(p, b), p.D, p.B); }
+bool launch(const Problem& p, const Buffers& b) {
+  return launch_backward_wgmma(nullptr, params(p, b), p.D, p.B, b.row_stats);
+}
 
 // Runs f(0 .. n-1) over the host's cores: the reference runs on the H200 machine's 16.
 template <class F>

@@ -18,6 +18,7 @@ import argparse
 import csv
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -71,10 +72,21 @@ def main():
     wall = json.loads(plain.stdout.strip().splitlines()[-1])
     step_ms = wall["median_step_s"] * 1e3
 
+    # Auto's attention choice is timed, and under ncu (which replays and serialises every
+    # kernel) the timing can come out the other way: a profile of a step that ran cuDNN showed
+    # tessera's kernels and their packing copies instead. The profiled run is told what the
+    # plain run chose ("tessera: attention ... -> cudnn (...)" on stderr).
+    choices = set(re.findall(r"tessera: attention .* -> (cudnn|tessera)", plain.stderr))
+    env = dict(os.environ)
+    if len(choices) == 1 and "TESSERA_ATTENTION_BACKEND" not in env:
+        env["TESSERA_ATTENTION_BACKEND"] = choices.pop()
+        print(f"attention backend as the plain run chose it: {env['TESSERA_ATTENTION_BACKEND']}")
+    elif len(choices) > 1:
+        print("note: the plain run chose different attention backends per shape; the profiled run decides again")
     profiled = subprocess.run(
         [args.ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
          "--csv", "--print-units", "base", *bench, "--steps", "1", "--warmup", "2", "--profile"],
-        capture_output=True, text=True)
+        capture_output=True, text=True, env=env)
     if profiled.returncode != 0:
         sys.exit(f"profile_step: ncu failed (exit {profiled.returncode}):\n{profiled.stderr[-3000:]}")
     # ncu prints its own log lines (==PROF==) before the CSV; the CSV starts at the header.

@@ -469,9 +469,9 @@ __global__ void attention_dq_convert_kernel(const float4* __restrict__ acc, uint
 }
 
 template <int D>
-void launch_backward_atomic(cudaStream_t stream, const BwdParams& p, int64_t B, int64_t dq_numel) {
+void launch_backward_atomic(cudaStream_t stream, const BwdParams& p, int64_t B, int64_t dq_numel, float* row_stats) {
   TESSERA_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, dq_numel * sizeof(float), stream));
-  if (!attention_backward_wgmma() || !launch_backward_wgmma(stream, p, D, B)) {
+  if (!attention_backward_wgmma() || !launch_backward_wgmma(stream, p, D, B, row_stats)) {
     constexpr int kv_smem = dkdv_smem_bytes<D>() + kDsBytes;
     const auto kernel = attention_backward_legacy() ? attention_dkdv_kernel<D, true> : attention_dkdv_kernel_v2<D, true>;
     TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
@@ -487,13 +487,13 @@ void launch_backward_atomic(cudaStream_t stream, const BwdParams& p, int64_t B, 
 }
 
 template <int D>
-void launch_backward(cudaStream_t stream, const BwdParams& p, int64_t B) {
+void launch_backward(cudaStream_t stream, const BwdParams& p, int64_t B, float* row_stats) {
   constexpr int kv_smem = dkdv_smem_bytes<D>(), q_smem = dq_smem_bytes<D>();
   // dK, dV: the wgmma kernel on Hopper at D = 128 (still one writer per element, so
   // deterministic): 230.5 against 214.0 TFLOP/s for the whole backward at B=4 H=32 T=4096
   // causal; at D = 64 it measured slower than the mma.sync kernel (119.6 against 134.9 at
   // B=16 H=12 T=1024, 145.1 against 173.5 at B=4 Hq=32 Hkv=8 T=2048; bench/RESULTS.md).
-  if (D != 128 || !attention_backward_wgmma() || !launch_backward_wgmma(stream, p, D, B, /*with_dq=*/false)) {
+  if (D != 128 || !attention_backward_wgmma() || !launch_backward_wgmma(stream, p, D, B, row_stats, /*with_dq=*/false)) {
     const auto kernel =
         attention_backward_legacy() ? attention_dkdv_kernel<D, false> : attention_dkdv_kernel_v2<D, false>;
     TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
@@ -564,13 +564,18 @@ void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q,
               scale * kLog2e,
               causal,
               deterministic ? nullptr : dq_accum.data<float>()};
+  // The wgmma kernel's padded row statistics (when it may run), from the caching allocator too.
+  Tensor row_stats;
+  if (attention_backward_wgmma() && (!deterministic || D == 128))
+    row_stats = Tensor::empty({backward_wgmma_scratch_floats(B, p)}, DType::F32, q.device());
+  float* stats = row_stats.defined() ? row_stats.data<float>() : nullptr;
   if (!deterministic) {
-    if (D == 64) launch_backward_atomic<64>(s, p, B, dq.numel());
-    else launch_backward_atomic<128>(s, p, B, dq.numel());
+    if (D == 64) launch_backward_atomic<64>(s, p, B, dq.numel(), stats);
+    else launch_backward_atomic<128>(s, p, B, dq.numel(), stats);
   } else if (D == 64) {
-    launch_backward<64>(s, p, B);
+    launch_backward<64>(s, p, B, stats);
   } else {
-    launch_backward<128>(s, p, B);
+    launch_backward<128>(s, p, B, stats);
   }
 }
 

@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <int D>
-void launch(cudaStream_t stream, const BwdParams& p, int64_t batch, bool with_dq) {
+void launch(cudaStream_t stream, const BwdParams& p, int64_t batch, float* stats, bool with_dq) {
   using C = BwdConfig<D>;
   constexpr const char* kWho = "attention backward (wgmma)";
   const CUtensorMap tm_q = make_bhd_tensor_map(p.q, batch, p.T, p.Hq, D, kRows, kWho);
@@ -472,11 +472,9 @@ void launch(cudaStream_t stream, const BwdParams& p, int64_t batch, bool with_dq
   const CUtensorMap tm_k = make_bhd_tensor_map(p.k, batch, p.S, p.Hkv, D, kKeys, kWho);
   const CUtensorMap tm_v = make_bhd_tensor_map(p.v, batch, p.S, p.Hkv, D, kKeys, kWho);
 
-  // The padded row statistics: stream-ordered scratch (the pool caches it between calls).
+  // The padded row statistics, into the caller's scratch.
   const int T_pad = (p.T + kRows - 1) / kRows * kRows;
   const int64_t rows = batch * p.Hq, n = rows * T_pad;
-  float* stats = nullptr;
-  TESSERA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&stats), 2 * n * sizeof(float), stream));
   const unsigned stat_blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 132 * 8));
   backward_row_stats_kernel<<<stat_blocks, 256, 0, stream>>>(p.lse, p.delta, stats, stats + n, rows, p.T, T_pad);
   TESSERA_CUDA_CHECK_LAUNCH();
@@ -487,16 +485,22 @@ void launch(cudaStream_t stream, const BwdParams& p, int64_t batch, bool with_dq
   const dim3 grid(static_cast<unsigned>(batch * p.Hkv), static_cast<unsigned>((p.S + kKeys - 1) / kKeys));
   kernel<<<grid, kThreads, C::kSmem, stream>>>(tm_q, tm_k, tm_v, tm_do, p, stats, stats + n, T_pad);
   TESSERA_CUDA_CHECK_LAUNCH();
-  TESSERA_CUDA_CHECK(cudaFreeAsync(stats, stream));
 }
 
 }  // namespace
 
-bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch, bool with_dq) {
+int64_t backward_wgmma_scratch_floats(int64_t batch, const BwdParams& p) {
+  const int64_t T_pad = (p.T + kRows - 1) / kRows * kRows;
+  return 2 * batch * p.Hq * T_pad;  // lse2, then Delta
+}
+
+bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch, float* row_stats,
+                           bool with_dq) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || !device_is_hopper(device)) return false;
-  if (D == 64) launch<64>(stream, p, batch, with_dq);
-  else if (D == 128) launch<128>(stream, p, batch, with_dq);
+  TESSERA_CHECK(row_stats != nullptr, "attention backward (wgmma): no scratch for the row statistics");
+  if (D == 64) launch<64>(stream, p, batch, row_stats, with_dq);
+  else if (D == 128) launch<128>(stream, p, batch, row_stats, with_dq);
   else return false;
   return true;
 }

@@ -34,7 +34,11 @@ struct BwdParams {
 // p.dq_accum (which the caller zeroes before and converts to BF16 dq = scale * dq_accum
 // after); without, dQ is left to the caller (the deterministic backward's own dQ pass) and
 // p.dq_accum is not used. False, launching nothing, when this GPU is not Hopper or D is not
-// 64 / 128.
-bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch, bool with_dq = true);
+// 64 / 128. row_stats: device scratch of backward_wgmma_scratch_floats(batch, p) floats for
+// the padded per-row lse and Delta, stream-ordered (the caller's caching allocator; unread
+// after the launch's kernels).
+bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch, float* row_stats,
+                           bool with_dq = true);
+int64_t backward_wgmma_scratch_floats(int64_t batch, const BwdParams& p);
 
 }  // namespace tessera::cuda::attn
