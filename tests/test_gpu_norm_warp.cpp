@@ -7,7 +7,8 @@
 // F32 and BF16 parameters; outputs poisoned first; parameter gradients accumulating onto
 // non-zero values; more rows than one wave (persistent loops, several rows per worker).
 // Also: the fused forms equal add() and the plain ops on the GPU to the bit, in-place
-// outputs, NaN propagation, run-to-run determinism. Skipped (saying so) without a GPU.
+// outputs, NaN propagation, run-to-run determinism, LayerNorm statistics of rows far from
+// zero (the forward's one-reduction mean and variance). Skipped (saying so) without a GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -300,6 +301,55 @@ TEST(GpuNormWarp, RunToRunDeterministic) {
               {&a.y, &b.y}, {&a.mean, &b.mean}, {&a.rstd, &b.rstd}, {&a.dx, &b.dx}, {&a.dgamma, &b.dgamma},
               {&a.dbeta, &b.dbeta}};
           for (const auto& [p, q] : pairs) EXPECT_EQ(bytes_of(*p), bytes_of(*q)) << what;
+        }
+  }
+}
+
+// Rows far from zero (x in [980, 1020]: mean ~1000, standard deviation ~12): the forward's
+// merged (count, mean, M2) statistics keep the variance; E[x^2] - E[x]^2 in float would not
+// (emulated in float32 at these shapes: rstd off by 2e-3 to 4e-2 that way, by under 3e-7
+// with the merge; 1e-5 is allowed). Widths where every lane holds as many values (4096),
+// where lanes hold different counts (2056, 1000), where whole lanes or a whole warp hold
+// none (320 with 4 words a lane), and one the row-group kernels take (4099); the fused add
+// too (the offset in x, a small residual).
+TEST(GpuNormWarp, LargeRowOffsetKeepsTheVariance) {
+  REQUIRE_GPU();
+  Context cpu = Context::cpu(), gpu = Context::cuda();
+  const Variant variants[] = {
+      {"default launch", {}},
+      kVariants[0],
+      kVariants[1],
+      kVariants[2],
+      {"warp rows, 4 words (lanes past the row's end)", {.kernel = 2, .warp_words = 4}},
+  };
+  uint64_t seed = 9000;
+  for (const Variant& v : variants) {
+    TuningScope scope(v.tuning);
+    for (DType t : {DType::BF16, DType::F32})
+      for (int64_t cols : {4096, 2056, 1000, 320, 4099})
+        for (bool fused : {false, true}) {
+          const std::string what = std::string(v.name) + (fused ? " add+layernorm " : " layernorm ") +
+                                   dtype_name(t) + " C=" + std::to_string(cols);
+          SCOPED_TRACE(what);
+          const Shape shape{7, cols};
+          const Tensor x = random_tensor(shape, t, seed++, 980.0f, 1020.0f), r = random_tensor(shape, t, seed++),
+                       gamma = random_tensor({cols}, DType::F32, seed++, 0.5f, 1.5f),
+                       beta = random_tensor({cols}, DType::F32, seed++);
+          Tensor y = Tensor::empty(shape, t), sum = Tensor::empty(shape, t), mean = Tensor::empty({7}, DType::F32),
+                 rstd = Tensor::empty({7}, DType::F32);
+          Tensor gy = poisoned(shape, t, kCuda), gsum = poisoned(shape, t, kCuda),
+                 gmean = poisoned({7}, DType::F32, kCuda), grstd = poisoned({7}, DType::F32, kCuda);
+          if (fused) {
+            add_layernorm_forward(cpu, x, r, gamma, beta, kEps, sum, y, mean, rstd);
+            add_layernorm_forward(gpu, dev(x), dev(r), dev(gamma), dev(beta), kEps, gsum, gy, gmean, grstd);
+            expect_same_bits_or_both_nan(gsum, sum);
+          } else {
+            layernorm_forward(cpu, x, gamma, beta, kEps, y, mean, rstd);
+            layernorm_forward(gpu, dev(x), dev(gamma), dev(beta), kEps, gy, gmean, grstd);
+          }
+          expect_close(gmean, mean, 1e-5, "mean");
+          expect_close(grstd, rstd, 1e-5, "rstd");
+          expect_close(gy, y, tolerance(t), "y");
         }
   }
 }

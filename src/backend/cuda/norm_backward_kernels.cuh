@@ -5,6 +5,14 @@
 // Since the split: the fused RMSNorm backward loads its residual gradient before the row's
 // reduction (kEarlyResidual; same bits): 75% -> 98% of copy at 16384 x 4096 BF16 (H200,
 // ninth session). The LayerNorm backwards (80%, 70% with the residual) did not change.
+// Since (after the ninth session): the fused LayerNorm backward's dbeta partial moves from
+// registers to shared memory (norm_backward_kernel), which lets it load its residual
+// gradient early too; same bits. Measured (H200, twelfth session, 16384 x 4096 BF16):
+// LayerNorm backward + residual 70.3% -> 85.2% of copy. The plain LayerNorm backward keeps
+// its partial in registers: in shared memory it measured 74.9% against 80.1%. sm_90 registers (ptxas) at the
+// default 4096 BF16 shape (two vectors a thread, 128 at most): LayerNorm 128 -> 128, fused
+// 128 -> 128 with the early residual (it spilled 40 bytes with the partial in registers);
+// one vector a thread (64 at most) spills 40 bytes instead of 108.
 #pragma once
 
 #include "norm_kernels.cuh"
@@ -21,6 +29,12 @@ namespace {
 // dx is written after every read of its row, so dx may be the same memory as dy or x.
 // kAdd: dx = (the norm's dx rounded to T) + d_residual (null otherwise), read just before the
 // store by the same thread, so dx may also be d_residual.
+//
+// The fused LayerNorm backward's dbeta partial (a sum of dy per column; two or more vectors a
+// thread) lives in shared memory, not registers: dynamic, NV * VEC floats per thread of the
+// block (norm_launch.cuh sizes it), each thread its own slots (no barrier). In registers it took 16 of the 128 a thread may have (BF16,
+// two vectors a thread), which left no room for loading the residual gradient early (it
+// spilled); a read-add-write of four 16-byte words a row costs little beside that.
 template <typename T, int VEC, int NV, bool kLayer, bool kAdd>
 __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
     norm_backward_kernel(const T* dy, const T* x, Param gamma, const float* mean, const float* rstd,
@@ -37,11 +51,37 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
 
   // gamma is re-read for every row (an L1 hit) rather than held: the registers it would take
   // decide whether two 512-thread blocks fit on a multiprocessor.
-  float acc_g[NV][VEC], acc_b[NV][VEC];
+  // kDbetaShared: the fused LayerNorm backward of two or more vectors a thread keeps its dbeta
+  // partial in shared memory (below) to make room for the early residual load; the plain
+  // one keeps it in registers (measured: 80% of copy in registers, 75% in shared memory).
+  constexpr bool kDbetaShared = kLayer && kAdd && NV > 1;
+  float acc_g[NV][VEC], acc_b[kLayer && !kDbetaShared ? NV : 1][VEC];
 #pragma unroll
   for (int j = 0; j < NV; ++j)
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) acc_g[j][k] = acc_b[j][k] = 0.0f;
+    for (int k = 0; k < VEC; ++k) {
+      acc_g[j][k] = 0.0f;
+      if constexpr (kLayer && !kDbetaShared) acc_b[j][k] = 0.0f;
+    }
+  // This thread's dbeta slots: vector j's VEC floats as VEC / 4 float4 units (one float for
+  // VEC = 1), unit u of the block's thread t at [u][t], so a warp's accesses are contiguous.
+  static_assert(VEC == 1 || VEC % 4 == 0, "dbeta slots are float4 units or single floats");
+  extern __shared__ float4 dbeta_slots[];
+  const bool has_dbeta = kLayer && dbeta_part != nullptr;
+  const bool dbeta_shared = kDbetaShared && has_dbeta;
+  const int block_threads = int(blockDim.x * blockDim.y), block_thread = int(threadIdx.y * blockDim.x + threadIdx.x);
+  // fn(slot, first): each unit of vector j, with the index of its first element.
+  auto for_dbeta_units = [&](int j, auto&& fn) {
+    if constexpr (VEC == 1) {
+      fn(reinterpret_cast<float*>(dbeta_slots)[j * block_threads + block_thread], 0);
+    } else {
+#pragma unroll
+      for (int q = 0; q < VEC / 4; ++q) fn(dbeta_slots[(j * (VEC / 4) + q) * block_threads + block_thread], 4 * q);
+    }
+  };
+  if (dbeta_shared)
+#pragma unroll
+    for (int j = 0; j < NV; ++j) for_dbeta_units(j, [](auto& slot, int) { slot = {}; });
 
   // The prefetched row: raw x and dy words, and its statistics.
   uint32_t raw_x[NV][W] = {}, raw_dy[NV][W] = {};
@@ -100,10 +140,20 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
               sums[1] = fma(double(gk), double(xh), sums[1]);
             }
             acc_g[j][k] = fmaf(d[j][k], xh, acc_g[j][k]);
-            acc_b[j][k] += d[j][k];
+            if constexpr (kLayer && !kDbetaShared) acc_b[j][k] += d[j][k];
             xhat[j][k] = xh;
             gd[j][k] = gk;
           }
+          if (dbeta_shared)
+            for_dbeta_units(j, [&](auto& slot, int k) {
+              if constexpr (VEC == 1) {
+                slot += d[j][0];
+              } else {
+                float4 v = slot;
+                v.x += d[j][k], v.y += d[j][k + 1], v.z += d[j][k + 2], v.w += d[j][k + 3];
+                slot = v;
+              }
+            });
           if constexpr (kUnitPartials) {
             if (kLayer) sums[0] = __dadd_rn(sums[0], double(p0));
             sums[1] = __dadd_rn(sums[1], double(p1));
@@ -116,10 +166,10 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
     });
     // kEarlyResidual: this row's residual gradient, loaded before the reduction so that its
     // latency overlaps the barrier instead of standing between the reduction and the store
-    // (the only load of a step not issued ahead). RMSNorm of two or more vectors a thread
-    // only: LayerNorm's backward is at the 128-register cap already and one vector a thread
-    // at the 64 of two blocks an SM, where the words would spill (sm_90: 16 to 24 bytes).
-    constexpr bool kEarlyResidual = kAdd && !kLayer && NV > 1;
+    // (the only load of a step not issued ahead). Two or more vectors a thread only: one
+    // vector a thread is at the 64 registers of two blocks an SM, where the words would
+    // spill (sm_90: 16 to 24 bytes). LayerNorm too since its dbeta partial left the registers.
+    constexpr bool kEarlyResidual = kAdd && NV > 1;
     uint32_t raw_dr[kEarlyResidual ? NV : 1][W];
     if constexpr (kEarlyResidual) {
 #pragma unroll
@@ -160,7 +210,19 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
     const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
     if (c >= cols) continue;
     store_vec<float, VEC>(dgamma_part + worker * cols + c, acc_g[j]);
-    if (kLayer && dbeta_part) store_vec<float, VEC>(dbeta_part + worker * cols + c, acc_b[j]);
+    if constexpr (kLayer && !kDbetaShared) {
+      if (has_dbeta) store_vec<float, VEC>(dbeta_part + worker * cols + c, acc_b[j]);
+    } else if (dbeta_shared) {
+      float b[VEC];
+      for_dbeta_units(j, [&](const auto& slot, int k) {
+        if constexpr (VEC == 1) {
+          b[0] = slot;
+        } else {
+          b[k] = slot.x, b[k + 1] = slot.y, b[k + 2] = slot.z, b[k + 3] = slot.w;
+        }
+      });
+      store_vec<float, VEC>(dbeta_part + worker * cols + c, b);
+    }
   }
 }
 

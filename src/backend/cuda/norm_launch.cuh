@@ -310,12 +310,17 @@ void norm_backward(void* stream, const Tensor& dy, const Tensor& x, const Tensor
         constexpr int NV = decltype(nv_tag)::value;
         auto kernel = norm_backward_kernel<T, VEC, NV, kLayer, kAdd>;
         const int threads = cfg.tpr * cfg.rpb;
+        // The fused LayerNorm backward's dbeta partials (kDbetaShared: two or more vectors a
+        // thread), VEC floats a vector of every thread, in shared memory
+        // (norm_backward_kernels.cuh): at most 512 threads x 2 vectors x 8 x 4 B = 32 KB.
+        const size_t smem = kLayer && kAdd && NV > 1 && has_dbeta ? size_t(threads) * NV * VEC * sizeof(float) : 0;
         // One wave of workers: each resident row group is a worker.
-        const int64_t resident = int64_t(sms) * device_query(reinterpret_cast<const void*>(kernel), threads, device);
+        const int64_t resident =
+            int64_t(sms) * device_query(reinterpret_cast<const void*>(kernel), threads, device, smem);
         workers = std::min<int64_t>(rows, resident * cfg.rpb);
         make_partials();
         dbeta_part = has_dbeta ? partials.data<float>() + workers * cols : nullptr;
-        kernel<<<unsigned(ceil_div(workers, cfg.rpb)), dim3(cfg.tpr, cfg.rpb), 0, s>>>(
+        kernel<<<unsigned(ceil_div(workers, cfg.rpb)), dim3(cfg.tpr, cfg.rpb), smem, s>>>(
             dy.data<T>(), x.data<T>(), g, mean_ptr, rstd.data<float>(), d_residual_ptr, dx.data<T>(),
             partials.data<float>(), dbeta_part, rows, cols, workers);
       });

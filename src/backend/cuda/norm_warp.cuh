@@ -11,10 +11,10 @@
 // blockDim.y groups per block. The row lives in registers as raw 16-byte words (packed BF16
 // pairs): lane l of warp w of the group holds vectors (j * warps + w) * 32 + l for j < NV,
 // so each warp's loads are contiguous 512-byte runs. All loads of a row are issued before
-// its first reduction; the statistics are taken in FP32 from those registers (two passes
-// for LayerNorm: the mean, then the sum of (x - mean)^2: no cancellation, no second read
-// of memory); a group of one warp reduces with shuffles only, wider groups add the warp
-// sums through shared memory (in warp order) behind a named barrier of the group alone.
+// its reduction; the statistics are taken in FP32 from those registers, in ONE reduction
+// for both norms (LayerNorm's forward merges (count, mean, M2) partial moments, below);
+// a group of one warp reduces with shuffles only, wider groups combine the warp results
+// through shared memory (in warp order) behind a named barrier of the group alone.
 // Forward holds up to 16 words a lane by default (C = 4096 BF16: four warps, 32 BF16 a
 // lane; NormTuning::warp_words = 64 puts it on one warp, 128 registers, no barrier at all);
 // backward 8 words of x and of dy (eight warps at 4096). Persistent forward groups and
@@ -24,6 +24,13 @@
 // an ordered sum over warps: relative error ~1e-7 against the reference's double sums,
 // well inside the DESIGN.md tolerances (statistics 1e-5, BF16 outputs 1e-2), but not the
 // reference's bits: the row-group kernels stay for the C = 1 style exactness tests.
+// LayerNorm's forward: each 16-byte vector's mean and M2 (sum of squared deviations from
+// that mean) exactly, two passes over its 8 or 4 values in registers; merged into the
+// thread's, then over lanes and warps, by Chan et al.'s rule (mean_a + d * n_b / n and
+// M2_a + M2_b + d^2 n_a n_b / n, d = mean_b - mean_a): never E[x^2] - E[x]^2, which loses
+// the variance of rows far from zero (test: GpuNormWarp.LargeRowOffsetKeepsTheVariance).
+// Lanes past the end of a row count 0 and leave the other part as it is. A fixed merge
+// order, so deterministic, and every thread of the group ends with the same bits.
 // rstd = 1/sqrt(var + eps) is formed in double once per row, as the reference rounds it.
 //
 // Backward: dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)) with x and dy in
@@ -47,6 +54,15 @@
 // forward's mean and mean square divided by C through div_cols (a multiplication when C is
 // a power of two, same bits). Measured after (H200, same shape and bench, 2026-11-30 ninth
 // session): LayerNorm forward 72.5% -> 81.4%, RMSNorm forward 96%, LayerNorm backward 80%.
+// Since (twelfth session; LayerNorm forward only: 81.4% -> 90.6-90.9% of copy, H200,
+// bench_bandwidth 20 norm, 16384 x 4096 BF16, two runs): one
+// reduction of merged moments instead of two dependent ones (the mean, then the centred
+// squares: two butterflies and two barriers before any output); y's formula and rstd's
+// double unchanged, the mean's and rstd's bits change with the summation order. sm_90
+// registers (ptxas), before -> after: 4 vectors a lane (the default at 4096 BF16) 64 -> 48
+// (five blocks an SM instead of four), add+LayerNorm 64 -> 62, 1/2/8/16 vectors 48/48/80/128
+// -> 32/40/61/108; persistent 79 -> 76 at 4, 113 -> 102 at 8, 48 -> 60 at 2; no spills
+// (without the two measures noted at the code, 4 vectors a lane took 94).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -113,6 +129,79 @@ __device__ __forceinline__ void warp_row_sum(float (&v)[K], float (*shared)[K][k
   }
 }
 
+// Count, mean and M2 (sum of squared deviations from that mean) of part of a row: what
+// LayerNorm's forward reduces, so that the mean and the centred sum of squares come out of
+// ONE reduction instead of two dependent ones, without the cancellation of E[x^2] - E[x]^2.
+struct RowMoments {
+  float n, mean, m2;
+};
+
+// Chan et al.'s merge of two disjoint parts. kEqual: both parts count the same (a row that
+// fills every lane alike), so n_b / n = 1/2: no division, and the mean is written as
+// (mean_a + mean_b) / 2, symmetric in a and b (bit for bit: the two lanes of a butterfly pair
+// call it with a and b swapped and must agree) and correctly rounded. Otherwise the caller
+// passes the parts in a fixed order, and a part of no values (lanes past the end of the row:
+// mean and M2 0) leaves the other as it is (n_b / n = 1 when a is empty, 0 when b is).
+template <bool kEqual>
+__device__ __forceinline__ RowMoments merge_moments(const RowMoments& a, const RowMoments& b) {
+  const float d = __fsub_rn(b.mean, a.mean), d2 = __fmul_rn(d, d), m2 = __fadd_rn(a.m2, b.m2);
+  const float n = __fadd_rn(a.n, b.n);
+  if constexpr (kEqual) {
+    return {n, __fmul_rn(__fadd_rn(a.mean, b.mean), 0.5f), fmaf(d2, __fmul_rn(a.n, 0.5f), m2)};
+  } else {
+    // n_b / n (a.n * wb = n_a n_b / n); an approximate quotient (a reciprocal and a product)
+    // is deterministic too, and its ~2 ulp move the mean by far less than its own rounding.
+    const float wb = a.n == 0.0f ? 1.0f : __fdividef(b.n, n);
+    return {n, fmaf(d, wb, a.mean), fmaf(d2, __fmul_rn(a.n, wb), m2)};
+  }
+}
+
+// Merges the moments of lanes within aligned blocks of `width` lanes (a power of two up to
+// 32) by an xor butterfly, so every lane of a block ends with the same bits: kEqual's merge
+// is symmetric; otherwise the lower lane of each pair is a.
+template <bool kEqual>
+__device__ __forceinline__ void butterfly_moments(RowMoments& m, int width) {
+  const int lane = int(threadIdx.x) & 31;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    if (offset >= width) break;
+    RowMoments o;
+    o.mean = __shfl_xor_sync(0xffffffffu, m.mean, offset);
+    o.m2 = __shfl_xor_sync(0xffffffffu, m.m2, offset);
+    if constexpr (kEqual) {
+      o.n = m.n;
+      m = merge_moments<true>(m, o);
+    } else {
+      o.n = __shfl_xor_sync(0xffffffffu, m.n, offset);
+      m = lane & offset ? merge_moments<false>(o, m) : merge_moments<false>(m, o);
+    }
+  }
+}
+
+// Merges every thread's moments over the row group; every thread receives the same bits.
+// Lanes, then warps: lane 0 of each warp stores its warp's moments in `shared` (this group's
+// [2][3][kWarpRowMaxWarps], alternating by phase as warp_row_sum's), and after the barrier
+// lane l takes warp l % warps's and the same butterfly runs over blocks of `warps` lanes: a
+// tree in warp order (adjacent pairs first), each block computing it alike. With equal
+// counts every merge is again of two equal parts (the warps are a power of two).
+template <bool kEqual>
+__device__ __forceinline__ void warp_row_moments(RowMoments& m, float (*shared)[3][kWarpRowMaxWarps], int& phase) {
+  butterfly_moments<kEqual>(m, 32);
+  const int warps = int(blockDim.x >> 5);
+  if (warps == 1) return;
+  float(*slot)[kWarpRowMaxWarps] = shared[phase];
+  phase ^= 1;
+  if ((threadIdx.x & 31) == 0) {
+    slot[0][threadIdx.x >> 5] = m.mean;
+    slot[1][threadIdx.x >> 5] = m.m2;
+    if (!kEqual) slot[2][threadIdx.x >> 5] = m.n;
+  }
+  group_barrier();
+  const int w = int(threadIdx.x) & (warps - 1);
+  m = {kEqual ? m.n : slot[2][w], slot[0][w], slot[1][w]};
+  butterfly_moments<kEqual>(m, warps);
+}
+
 // Column of vector j of this thread (32-bit: a row that fits in registers is short).
 __device__ __forceinline__ int warp_row_col(int j, int vec) { return (j * int(blockDim.x) + int(threadIdx.x)) * vec; }
 
@@ -150,9 +239,12 @@ __global__ void __launch_bounds__(kWarpRowThreads)
   constexpr int VEC = 16 / int(sizeof(T));
   constexpr bool kPrefetch = kPersistent && NV * (kAdd ? 2 : 1) <= 8;
   constexpr int NP = kPrefetch ? NV : 1;
-  __shared__ float red[kWarpRowMaxGroups][2][1][kWarpRowMaxWarps];
+  __shared__ float red[kWarpRowMaxGroups][2][kLayer ? 3 : 1][kWarpRowMaxWarps];
   const int ncols = int(cols);
   const int64_t groups = int64_t(gridDim.x) * blockDim.y;
+  // LayerNorm: whether every thread of the group holds as many of a row's values (its vectors
+  // a multiple of the group's threads, a power of two): then every merge is of equal halves.
+  const bool equal_counts = ((ncols / VEC) & (int(blockDim.x) - 1)) == 0;
   // The divisions by C as multiplications only where that costs no occupancy (sm_90 SASS:
   // at 1 and 2 vectors a lane 40-48 registers became 45-63, one block an SM fewer; at 16,
   // in the persistent loop and with norm_fp8.cu's sink, a spill or a block fewer): 4 to 8
@@ -201,36 +293,51 @@ __global__ void __launch_bounds__(kWarpRowThreads)
         *reinterpret_cast<uint4*>(sum + base + c) = raw[j];  // after this thread's reads of it
       }
     }
-    // Vectors past the end hold zeros: they add nothing to the first sum.
-    float s[1] = {0.0f};
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      float v[VEC], p = 0.0f;
-      unpack16<T>(raw[j], v);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) p = kLayer ? p + v[k] : fmaf(v[k], v[k], p);
-      s[0] += p;
-    }
-    warp_row_sum(s, red[threadIdx.y], phase);
     float mu = 0.0f, r;
     if constexpr (kLayer) {
-      mu = div_cols(s[0], cols, inv_cols);
-      float q[1] = {0.0f};
+      // This thread's moments, built a vector at a time: each vector's mean and M2 exactly
+      // (two passes over its eight or four values), merged into the thread's in order (the
+      // vectors in the row are a prefix of j, so vector j always joins j equal parts: weights
+      // fixed at compile time). Then one merge over the group.
+      RowMoments m{0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         if (warp_row_col(j, VEC) >= ncols) continue;
+        float v[VEC], sv = 0.0f, q = 0.0f;
+        unpack16<T>(raw[j], v);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) sv = __fadd_rn(sv, v[k]);
+        const float vm = __fmul_rn(sv, 1.0f / VEC);  // exact: VEC is a power of two
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float d = __fsub_rn(v[k], vm);
+          q = fmaf(d, d, q);
+        }
+        if (j == 0) {
+          m = {float(VEC), vm, q};
+        } else {
+          const float d = __fsub_rn(vm, m.mean);
+          m.n = float((j + 1) * VEC);
+          m.mean = fmaf(d, 1.0f / float(j + 1), m.mean);
+          m.m2 = fmaf(__fmul_rn(d, d), float(j * VEC) / float(j + 1), __fadd_rn(m.m2, q));
+        }
+      }
+      if (equal_counts) warp_row_moments<true>(m, red[threadIdx.y], phase);
+      else warp_row_moments<false>(m, red[threadIdx.y], phase);
+      mu = m.mean;
+      r = rstd_of(m.m2, cols, inv_cols, eps);
+    } else {
+      // Vectors past the end hold zeros: they add nothing to the sum.
+      float s[1] = {0.0f};
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
         float v[VEC], p = 0.0f;
         unpack16<T>(raw[j], v);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float d = __fsub_rn(v[k], mu);
-          p = fmaf(d, d, p);
-        }
-        q[0] += p;
+        for (int k = 0; k < VEC; ++k) p = fmaf(v[k], v[k], p);
+        s[0] += p;
       }
-      warp_row_sum(q, red[threadIdx.y], phase);
-      r = rstd_of(q[0], cols, inv_cols, eps);
-    } else {
+      warp_row_sum(s, red[threadIdx.y], phase);
       r = rstd_of(s[0], cols, inv_cols, eps);
     }
     if (threadIdx.x == 0) {
@@ -242,7 +349,11 @@ __global__ void __launch_bounds__(kWarpRowThreads)
     with_param_kind<kLayer, (NV <= (kLayer ? 4 : 2))>(gamma, beta, [&](auto kind) {
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        const int c = warp_row_col(j, VEC);
+        int c = warp_row_col(j, VEC);
+        // LayerNorm's persistent loop: the column made opaque, so nvcc computes the parameter
+        // addresses here instead of hoisting them all out of the loop (8 vectors a lane: 180
+        // registers with them hoisted, 102 without).
+        if constexpr (kLayer && kPersistent) asm volatile("" : "+r"(c));
         if (c >= ncols) continue;
         float v[VEC], out[VEC];
         unpack16<T>(raw[j], v);
@@ -251,6 +362,10 @@ __global__ void __launch_bounds__(kWarpRowThreads)
         sink.template store<VEC>(base + c, out);
       }
     });
+    // One row a group unless persistent (the launcher's grid): for LayerNorm no loop, so nvcc
+    // has nothing to hoist out of one (it kept every parameter address of the row live
+    // across it: 4 vectors a lane took 94 registers, 48 without). RMSNorm's stays as measured.
+    if constexpr (kLayer && !kPersistent) break;
   }
   sink.finish();
 }
