@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "tessera/core/random.h"
 #include "tessera/fp8/device_scaling.h"
@@ -36,11 +37,15 @@ TransformerLM::TransformerLM(const ModelConfig& config, DType dtype, const nn::P
   for (int64_t i = 0; i < config.num_layers; ++i)
     layers.push_back(std::make_unique<nn::TransformerLayer>("layers." + std::to_string(i), config, dtype, parallel));
   if (!config.tie_embeddings) lm_head = nn::Parameter("lm_head.weight", {config.vocab_size, config.hidden_size}, dtype, true);
+  // The head's dW GEMM is its weight's first gradient writer in a step (with tied embeddings
+  // the embedding's scatter-add comes last and adds): it may overwrite a lazily zeroed grad.
+  head_weight().grad_overwrite_ok = true;
 }
 
 void TransformerLM::notify_grads_ready(Context& ctx, const nn::ParameterList& ps) {
   if (!grad_ready_) return;
   for (nn::Parameter* p : ps) {
+    p->materialize_grad(ctx);  // a gradient no writer touched is read as zeros
     grads_notified_.push_back(p);
     grad_ready_(ctx, *p);
   }
@@ -50,7 +55,10 @@ void TransformerLM::notify_rest(Context& ctx) {
   if (!grad_ready_) return;
   std::sort(grads_notified_.begin(), grads_notified_.end());
   for (nn::Parameter* p : parameters())
-    if (!std::binary_search(grads_notified_.begin(), grads_notified_.end(), p)) grad_ready_(ctx, *p);
+    if (!std::binary_search(grads_notified_.begin(), grads_notified_.end(), p)) {
+      p->materialize_grad(ctx);
+      grad_ready_(ctx, *p);
+    }
   grads_notified_.clear();
 }
 
@@ -71,7 +79,21 @@ int64_t TransformerLM::num_parameters() {
 }
 
 void TransformerLM::zero_grad() {
-  for (nn::Parameter* p : parameters()) p->grad.fill_zero();
+  // Lazy where every writer of the gradient can overwrite it (nn::Parameter::grad_unwritten):
+  // the step's first GEMM then writes with beta 0, and no memset runs. Tensor parallelism's
+  // layers write their own parameters' gradients, so it zeroes them all.
+  for (nn::Parameter* p : parameters()) {
+    if (p->grad_overwrite_ok && !tp_) {
+      p->grad_unwritten = true;
+    } else {
+      p->grad_unwritten = false;
+      p->grad.fill_zero();
+    }
+  }
+}
+
+void TransformerLM::materialize_grads(Context& ctx) {
+  for (nn::Parameter* p : parameters()) p->materialize_grad(ctx);
 }
 
 void TransformerLM::to(Device device) {
@@ -178,9 +200,29 @@ double TransformerLM::HeadLoss::read() const {
   return loss;
 }
 
+namespace {
+
+// Rows per LM-head chunk: kHeadChunkRows, or TESSERA_HEAD_CHUNK_ROWS (a positive multiple of
+// 16) to measure the trade between the chunk's logits memory (rows x vocabulary) and the
+// number of passes the head's dW GEMMs make over the FP32 gradient (one per chunk).
+int64_t head_chunk_rows() {
+  static const int64_t rows = [] {
+    const char* v = std::getenv("TESSERA_HEAD_CHUNK_ROWS");
+    if (v == nullptr || *v == '\0') return TransformerLM::kHeadChunkRows;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    TESSERA_CHECK(end != v && *end == '\0' && n > 0 && n % 16 == 0,
+                  "TESSERA_HEAD_CHUNK_ROWS must be a positive multiple of 16, got '", v, "'");
+    return static_cast<int64_t>(n);
+  }();
+  return rows;
+}
+
+}  // namespace
+
 TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, const Tensor* targets,
                                                  const Tensor& device_targets, Tensor* d_h, float scale) {
-  const int64_t rows = h.size(0), vocab = config_.vocab_size;
+  const int64_t rows = h.size(0), vocab = config_.vocab_size, chunk_rows = head_chunk_rows();
   const Tensor flat_targets = device_targets.reshape({rows});
   // Counting the valid targets first lets every chunk scale its gradient by the global mean.
   // Targets come from the host-side loader, so this reads host memory, not the device.
@@ -188,8 +230,8 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
   const std::vector<int64_t> host_targets = targets ? targets->reshape({rows}).to_ints() : std::vector<int64_t>();
   std::vector<int64_t> chunk_valid_counts;
   int64_t valid = 0;
-  for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
-    const int64_t r1 = std::min(rows, r0 + kHeadChunkRows);
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
+    const int64_t r1 = std::min(rows, r0 + chunk_rows);
     chunk_valid_counts.push_back(targets ? std::count_if(host_targets.begin() + r0, host_targets.begin() + r1,
                                                          [](int64_t t) { return t != kIgnoreIndex; })
                                          : r1 - r0);
@@ -238,10 +280,10 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
       tessera::scale(ctx, fp8_head_one_, value, dl_scale);  // the value travels as a kernel argument
     }
   }
-  for (int64_t r0 = 0; r0 < rows; r0 += kHeadChunkRows) {
-    const int64_t r1 = std::min(rows, r0 + kHeadChunkRows), n = r1 - r0;
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
+    const int64_t r1 = std::min(rows, r0 + chunk_rows), n = r1 - r0;
     const Tensor h_chunk = h.slice(0, r0, r1), t_chunk = flat_targets.slice(0, r0, r1);
-    const int64_t chunk_valid = chunk_valid_counts[r0 / kHeadChunkRows];
+    const int64_t chunk_valid = chunk_valid_counts[r0 / chunk_rows];
     if (chunk_valid == 0) {
       if (d_h) d_h->slice(0, r0, r1).fill_zero();
       continue;
@@ -265,12 +307,14 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
       gemm(ctx, h_chunk, w_full, logits_full, {.transpose_b = true});
     }
     Tensor logits = logits_full.slice(1, 0, vocab);
-    Tensor chunk_loss = chunk_losses.slice(0, r0 / kHeadChunkRows, r0 / kHeadChunkRows + 1);
+    Tensor chunk_loss = chunk_losses.slice(0, r0 / chunk_rows, r0 / chunk_rows + 1);
     Tensor lse = Tensor::empty({n}, stats, ctx.device);
     cross_entropy_forward(ctx, logits, t_chunk, chunk_loss, lse, {.ignore_index = kIgnoreIndex});
     const double weight = double(chunk_valid) / double(valid);
     if (!d_h) continue;
     Tensor d_h_chunk = d_h->slice(0, r0, r1);
+    // dW = or += dlogits^T h: the first chunk of a step overwrites a lazily zeroed gradient.
+    const float dw_beta = w.begin_grad_write(ctx) ? 0.0f : 1.0f;
     if (fp8_head) {
       // The FP8 gradient straight from the cross-entropy backward (on CUDA one kernel, no BF16
       // gradient written), the padding columns as code 0; then its transposed copy for dW.
@@ -281,7 +325,7 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
       fp8::fp8_gemm(ctx, dl_q, false, w_q, false, d_h_chunk);  // dh = dlogits W
       dl_q.data = Tensor();                                     // dW reads the transposed copy only
       fp8::Fp8GemmOptions accumulate;
-      accumulate.beta = 1;
+      accumulate.beta = dw_beta;
       fp8::fp8_gemm(ctx, dl_q, true, h_q_chunk, false, grad_full, accumulate);  // dW += dlogits^T h
       continue;
     }
@@ -290,7 +334,7 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
                            {.ignore_index = kIgnoreIndex});
     // d_logits is a view of logits_full, whose padding columns still hold 0.
     gemm(ctx, logits_full, w_full, d_h_chunk);                                 // dh = dlogits W
-    gemm(ctx, logits_full, h_chunk, grad_full, {.transpose_a = true, .beta = 1});  // dW += dlogits^T h
+    gemm(ctx, logits_full, h_chunk, grad_full, {.transpose_a = true, .beta = dw_beta});  // dW += dlogits^T h
   }
   HeadLoss out{chunk_losses, {}};
   for (int64_t count : chunk_valid_counts) out.weights.push_back(double(count) / double(valid));
@@ -300,7 +344,7 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
 bool TransformerLM::head_runs_fp8(int64_t rows, const Tensor& h, const Tensor& w_full) const {
   // cuBLASLt's FP8 GEMMs want K (C, the padded vocabulary, the chunk rows) and the operands'
   // row strides multiples of 16; the CPU emulation takes the same path under the same rule.
-  // Chunks hold kHeadChunkRows (a multiple of 16) rows but the last, so rows % 16 covers all.
+  // Chunks hold head_chunk_rows() (a multiple of 16) rows but the last, so rows % 16 covers all.
   return fp8_head_format_.has_value() && !tp_ && dtype_ == DType::BF16 && h.dtype() == DType::BF16 &&
          w_full.dtype() == DType::BF16 && rows > 0 && rows % 16 == 0 && config_.hidden_size % 16 == 0 &&
          w_full.size(0) % 16 == 0 && h.is_contiguous() && w_full.is_contiguous();
@@ -411,8 +455,10 @@ TransformerLM::HeadLoss TransformerLM::forward_backward_queued(Context& ctx, con
       notify_grads_ready(ctx, done);
     }
   }
+  token_embedding.materialize_grad(ctx);  // a scatter-add: tied to a head that wrote nothing
   embedding_backward(ctx, ids.reshape({batch * seq}), d, token_embedding.grad);
   if (position_embedding.value.defined()) embedding_backward(ctx, positions_, d, position_embedding.grad);
+  materialize_grads(ctx);  // whatever no writer touched (e.g. a layer whose input had no rows)
   return loss;
 }
 

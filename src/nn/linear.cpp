@@ -1,5 +1,6 @@
 #include "tessera/nn/linear.h"
 
+#include "tessera/core/stream.h"
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/gemm.h"
 #include "tessera/ops/quantize.h"
@@ -20,6 +21,15 @@ void Parameter::refresh_value(Context& ctx) {
   if (master.defined()) cast(ctx, master, value);
 }
 
+bool Parameter::begin_grad_write(Context& ctx, bool can_overwrite) {
+  if (!grad_unwritten) return false;
+  grad_unwritten = false;
+  if (can_overwrite) return true;
+  StreamGuard on_stream(ctx);  // in order with the writer's ops
+  grad.fill_zero();
+  return false;
+}
+
 void Parameter::to(Device device) {
   value = value.to(device);
   grad = grad.to(device);
@@ -33,6 +43,7 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
   TESSERA_CHECK(in_features > 0 && out_features > 0, "Linear ", name, ": sizes must be positive, got ", in_features,
                 " -> ", out_features);
   if (has_bias) bias = Parameter(name + ".bias", {out_features}, dtype, false);
+  weight.grad_overwrite_ok = true;  // backward_weight is its only gradient writer
 }
 
 bool Linear::runs_fp8(const Tensor& x) const {
@@ -204,9 +215,14 @@ Tensor Linear::backward_input(Context& ctx, const fp8::QuantizedTensor& dy, cons
 }
 
 void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved) {
+  // The first gradient of a step overwrites (beta 0) what zero_grad left unwritten. With no
+  // rows there is nothing to sum, so a zero gradient is written instead.
+  // (The FP8 paths may pass no dy: they read its saved cast.)
+  const bool overwrite = weight.begin_grad_write(ctx, !dy.defined() || dy.size(0) > 0);
+  const float beta = overwrite ? 0.0f : 1.0f;  // dW (+)= dy^T x, into the FP32 master gradient
   if (saved.fp8 && saved.kind != Fp8Scaling::Kind::PerTensor) {
     fp8::Fp8GemmOptions options;
-    options.beta = 1;  // dW += dy^T x, into the FP32 master gradient
+    options.beta = beta;
     if (saved.kind == Fp8Scaling::Kind::Block) {
       TESSERA_CHECK(saved.dy_block.data_t.defined(), "Linear ", weight.name,
                     ": backward_weight needs backward_input first");
@@ -223,7 +239,7 @@ void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved)
   if (saved.fp8) {
     TESSERA_CHECK(saved.dy_fp8.data_t.defined(), "Linear ", weight.name, ": backward_weight needs backward_input first");
     fp8::Fp8GemmOptions options;
-    options.beta = 1;  // dW += dy^T x, into the FP32 master gradient
+    options.beta = beta;
     fp8::fp8_gemm(ctx, saved.dy_fp8, true, saved.x_fp8, false, weight.grad, options);
     // Unless dy's cast summed it already (backward_input(Tensor)): then dy is not read here.
     if (bias.value.defined() && !saved.bias_grad_done) bias_grad(ctx, dy, bias.grad);
@@ -231,8 +247,8 @@ void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved)
     saved.dy_fp8 = fp8::QuantizedTensor();
     return;
   }
-  // dW += dy^T x and db += column sums of dy (one GEMM on CUDA, its epilogue sums the bias)
-  linear_weight_grad(ctx, dy, saved.x, weight.grad, bias.grad);
+  // dW (+)= dy^T x and db += column sums of dy (one GEMM on CUDA, its epilogue sums the bias)
+  linear_weight_grad(ctx, dy, saved.x, weight.grad, bias.grad, /*accumulate_weight=*/!overwrite);
 }
 
 void Linear::parameters(ParameterList& out) {

@@ -14,6 +14,7 @@ GroupedLinear::GroupedLinear(const std::string& name, int64_t num_experts, int64
       out_(out_features) {
   TESSERA_CHECK(num_experts > 0 && in_features > 0 && out_features > 0, "GroupedLinear ", name,
                 ": sizes must be positive");
+  weight.grad_overwrite_ok = true;  // backward_weight(_fp8) is its only gradient writer
 }
 
 Tensor GroupedLinear::forward(Context& ctx, const Tensor& x, const std::vector<int64_t>& splits) const {
@@ -29,8 +30,9 @@ Tensor GroupedLinear::backward_input(Context& ctx, const Tensor& dy, const std::
 }
 
 void GroupedLinear::backward_weight(Context& ctx, const Tensor& dy, const Tensor& x, const std::vector<int64_t>& splits) {
+  const bool overwrite = weight.begin_grad_write(ctx);  // the step's first gradient: beta 0
   Tensor dw = weight.grad.reshape({experts_, out_, in_});
-  grouped_linear_backward_weight(ctx, dy, x, splits, dw);
+  grouped_linear_backward_weight(ctx, dy, x, splits, dw, /*accumulate=*/!overwrite);
 }
 
 bool GroupedLinear::runs_fp8(DType input) const {
@@ -97,8 +99,9 @@ Tensor GroupedLinear::backward_input_fp8(Context& ctx, MoEFp8Rows dy, Fp8Saved& 
 void GroupedLinear::backward_weight_fp8(Context& ctx, const Fp8Saved& saved) {
   TESSERA_CHECK(saved.dy.data_t.defined() && saved.x.data_t.defined(), "GroupedLinear ", weight.name,
                 ": backward_weight_fp8 needs forward_fp8 and backward_input_fp8 first");
+  const bool overwrite = weight.begin_grad_write(ctx);  // the step's first gradient: beta 0
   Tensor dw = weight.grad.reshape({experts_, out_, in_});
-  grouped_linear_backward_weight_fp8(ctx, saved.dy, saved.x, dw);
+  grouped_linear_backward_weight_fp8(ctx, saved.dy, saved.x, dw, /*accumulate=*/!overwrite);
 }
 
 GroupedMLP::GroupedMLP(const std::string& name, int64_t num_experts, int64_t hidden, int64_t ffn, DType dtype)

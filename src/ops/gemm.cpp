@@ -150,8 +150,9 @@ void bias_grad(Context& ctx, const Tensor& dy, Tensor& dbias) {
   cpu::bias_grad(dy, dbias);
 }
 
-void linear_weight_grad(Context& ctx, const Tensor& dy, const Tensor& x, Tensor& dweight, Tensor& dbias) {
-  const GemmOptions options{.transpose_a = true, .beta = 1};
+void linear_weight_grad(Context& ctx, const Tensor& dy, const Tensor& x, Tensor& dweight, Tensor& dbias,
+                        bool accumulate_weight) {
+  const GemmOptions options{.transpose_a = true, .beta = accumulate_weight ? 1.0f : 0.0f};
 #if TESSERA_WITH_CUDA
   // The bias gradient out of the weight GEMM's epilogue: cuBLASLt overwrites a vector, the
   // gradient accumulates, so the sums land in a scratch vector that is then added (N floats,
@@ -162,7 +163,7 @@ void linear_weight_grad(Context& ctx, const Tensor& dy, const Tensor& x, Tensor&
     check_gemm(ctx, dy, x, dweight, options, Tensor(), "linear_weight_grad");
     Tensor sums = Tensor::empty({dy.size(1)}, DType::F32, ctx.device);
     if (cuda::gemm_bias_grad_available(dy, x, dweight, true, false, 1.0f, sums)) {
-      cuda::gemm(ctx.stream, dy, x, dweight, true, false, 1.0f, 1.0f, sums, GemmEpilogue::BiasGrad);
+      cuda::gemm(ctx.stream, dy, x, dweight, true, false, 1.0f, options.beta, sums, GemmEpilogue::BiasGrad);
       add(ctx, dbias, sums, dbias);
       return;
     }

@@ -377,7 +377,7 @@ void grouped_linear_backward_input(Context& ctx, const Tensor& dy, const Tensor&
 }
 
 void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor& x, const std::vector<int64_t>& splits,
-                                    Tensor& dw) {
+                                    Tensor& dw, bool accumulate) {
   const char* op = "grouped_linear_backward_weight";
   check_matrix(dy, op, "dy");
   check_matrix(x, op, "x");
@@ -386,9 +386,12 @@ void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor
                 op, ": dw must be a contiguous [E, ", dy.size(1), ", ", x.size(1), "] tensor, got ", dw.describe());
   check_splits(splits, dw.size(0), dy.size(0), op);
   check_on_device(ctx, op, {&dy, &x, &dw});
+  if (!accumulate) moe_detail::zero_experts_without_rows(ctx, splits, dw);
+  const float beta = accumulate ? 1.0f : 0.0f;
   for_each_expert(ctx, splits, [&](Context& c, size_t e, int64_t row) {
     Tensor dwe = dw.select(0, static_cast<int64_t>(e));
-    gemm(c, dy.slice(0, row, row + splits[e]), x.slice(0, row, row + splits[e]), dwe, {.transpose_a = true, .beta = 1});
+    gemm(c, dy.slice(0, row, row + splits[e]), x.slice(0, row, row + splits[e]), dwe,
+         {.transpose_a = true, .beta = beta});
   });
 }
 

@@ -9,6 +9,7 @@
 
 #include "tessera/core/context.h"
 #include "tessera/core/error.h"
+#include "tessera/core/stream.h"
 #include "tessera/core/tensor.h"
 #include "tessera/ops/moe.h"
 
@@ -59,6 +60,14 @@ inline void check_splits(const std::vector<int64_t>& splits, int64_t experts, in
     total += s;
   }
   TESSERA_CHECK(total <= rows, op, ": split sizes sum to ", total, ", more than the ", rows, " rows");
+}
+
+// dw[e] = 0 for every expert without rows, on ctx's stream: a weight gradient that is
+// overwritten (not accumulated) gets no GEMM for those experts.
+inline void zero_experts_without_rows(Context& ctx, const std::vector<int64_t>& splits, Tensor& dw) {
+  StreamGuard on_stream(ctx);
+  for (size_t e = 0; e < splits.size(); ++e)
+    if (splits[e] == 0) dw.select(0, static_cast<int64_t>(e)).fill_zero();
 }
 
 // fn(expert_ctx, e, first_row) for every expert with rows, in expert order.

@@ -354,16 +354,19 @@ void grouped_linear_backward_input_fp8(Context& ctx, const MoEFp8Rows& dy, const
   if (rows < dx.size(0)) dx.slice(0, rows, dx.size(0)).fill_zero();
 }
 
-void grouped_linear_backward_weight_fp8(Context& ctx, const MoEFp8Rows& dy, const MoEFp8Rows& x, Tensor& dw) {
+void grouped_linear_backward_weight_fp8(Context& ctx, const MoEFp8Rows& dy, const MoEFp8Rows& x, Tensor& dw,
+                                        bool accumulate) {
   const char* op = "grouped_linear_backward_weight_fp8";
   TESSERA_CHECK(dw.defined() && dw.dim() == 3 && dw.is_contiguous(), op, ": dw must be a contiguous [E, N, K] tensor");
   const int64_t experts = dw.size(0);
   check_rows(dy, experts, op, "dy", false);
   check_rows(x, experts, op, "x", false);
   TESSERA_CHECK(dy.splits == x.splits, op, ": dy and x have different split sizes");
+  if (!accumulate) zero_experts_without_rows(ctx, x.splits, dw);
+  const float beta = accumulate ? 1.0f : 0.0f;
   for_each_expert(ctx, x.splits, [&](Context& c, size_t e, int64_t) {
     Tensor dwe = dw.select(0, static_cast<int64_t>(e));
-    fp8::fp8_gemm(c, columns_of(dy, e), true, columns_of(x, e), false, dwe, 1.0f, 1.0f);
+    fp8::fp8_gemm(c, columns_of(dy, e), true, columns_of(x, e), false, dwe, 1.0f, beta);
   });
 }
 

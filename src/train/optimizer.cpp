@@ -66,6 +66,7 @@ void Optimizer::queue(Context& ctx, const AdamWOptions& options, const Tensor& s
   std::vector<Tensor> weights, grads, values;
   std::vector<float> weight_decays;
   for (nn::Parameter* p : params_) {
+    p->materialize_grad(ctx);  // a lazily zeroed gradient no backward wrote is zeros
     weights.push_back(p->weights());
     grads.push_back(p->grad);
     values.push_back(p->master.defined() ? p->value : Tensor());  // the BF16 copy to refresh

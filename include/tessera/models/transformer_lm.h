@@ -163,12 +163,21 @@ class TransformerLM {
 
   nn::ParameterList parameters();
   int64_t num_parameters();  // this rank's (with its vocabulary padding rows) under tensor parallelism
+  // Gradients read as zero from here on, once the next backward has run (or after
+  // materialize_grads): the gradients of Linear and GroupedLinear weights and the LM head are
+  // not cleared here but overwritten by their first writer (nn::Parameter::grad_unwritten).
   void zero_grad();
+  // Zeroes every gradient zero_grad left unwritten that no writer has written since. The
+  // backward does it at its end, so only code that reads gradients without one needs it.
+  void materialize_grads(Context& ctx);
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }
 
   static constexpr int64_t kIgnoreIndex = -100;
-  static constexpr int64_t kHeadChunkRows = 1024;
+  // Rows of h per LM-head chunk: the chunk's logits (rows x vocabulary) exist, never all of
+  // them. 2048 against 1024 measured 1.5% faster on the Llama-1B step (its head's dW GEMMs
+  // make half as many passes over the FP32 gradient) for 0.25 GiB more peak memory.
+  static constexpr int64_t kHeadChunkRows = 2048;
 
  private:
   struct Saved {

@@ -139,8 +139,11 @@ void grouped_linear_forward(Context& ctx, const Tensor& x, const Tensor& w, cons
 void grouped_linear_backward_input(Context& ctx, const Tensor& dy, const Tensor& w,
                                    const std::vector<int64_t>& split_sizes, Tensor& dx);
 // dw[e] += dy_e^T x_e (ACCUMULATES; an expert with no rows leaves its slice unchanged).
+// accumulate false OVERWRITES instead, dw[e] = dy_e^T x_e (beta 0: dw's old contents are
+// never read; an expert with no rows gets zeros): a step's first gradient after a lazy
+// zero_grad (nn::Parameter::grad_unwritten).
 void grouped_linear_backward_weight(Context& ctx, const Tensor& dy, const Tensor& x,
-                                    const std::vector<int64_t>& split_sizes, Tensor& dw);
+                                    const std::vector<int64_t>& split_sizes, Tensor& dw, bool accumulate = true);
 
 // ---- FP8 (current scaling) ---------------------------------------------------------------
 // The grouped GEMMs in FP8 (docs/ops/moe.md, "FP8"). Each operand is cast once with one
@@ -245,10 +248,12 @@ MoEFp8Rows moe_swiglu_scaled_backward_quantize(Context& ctx, const Tensor& x, co
 //   forward  y_e  = x_e W_e^T     (x.data; fast accumulation, as Transformer Engine's forward)
 //   dgrad    dx_e = dy_e W_e      (dy.data, W's data_t), OVERWRITTEN
 //   wgrad    dw_e += dy_e^T x_e   (both padded data_t; F32 dw, beta = 1), ACCUMULATES
+//            (accumulate false: OVERWRITES, beta 0, experts without rows zeroed)
 // y / dx rows past the split sum are zero.
 void grouped_linear_forward_fp8(Context& ctx, const MoEFp8Rows& x, const MoEFp8Weights& w, Tensor& y);
 void grouped_linear_backward_input_fp8(Context& ctx, const MoEFp8Rows& dy, const MoEFp8Weights& w, Tensor& dx);
-void grouped_linear_backward_weight_fp8(Context& ctx, const MoEFp8Rows& dy, const MoEFp8Rows& x, Tensor& dw);
+void grouped_linear_backward_weight_fp8(Context& ctx, const MoEFp8Rows& dy, const MoEFp8Rows& x, Tensor& dw,
+                                        bool accumulate = true);
 
 // How many CUDA streams GroupedLinear spreads its experts' GEMMs over (process-wide; 1, the
 // default: every GEMM on the context's stream, one after another; at most 4, more act as 4).
