@@ -13,7 +13,9 @@ Models (random tokens, BF16 compute, FP32 master weights, AdamW):
 
 Timing: warm-up steps, then the median wall time of `--steps` steps, each ending with a
 CUDA synchronize (tessera's step ends with the loss on the host anyway). MFU is against
-989 TFLOP/s with PaLM's FLOP count (6 N + 12 L C T per token). Peak memory is
+989 TFLOP/s with PaLM's FLOP count (6 N + 12 L C T per token). The same optimizer work in
+every implementation: no gradient clipping (tessera's --grad-clip 0), or with --clip global-
+norm clipping to 1.0 in all (torch.nn.utils.clip_grad_norm_, foreach). Peak memory is
 torch.cuda.max_memory_reserved for PyTorch and the caching allocator's highwater mark
 for tessera (both: memory the process held).
 
@@ -151,7 +153,7 @@ def active_params(model):
     return total - expert + expert * k // e
 
 
-def run_torch(name, batch, seq, compile_model, warmup, steps):
+def run_torch(name, batch, seq, compile_model, warmup, steps, clip=False):
     import torch
 
     torch.manual_seed(0)
@@ -174,11 +176,14 @@ def run_torch(name, batch, seq, compile_model, warmup, steps):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(idx, tgt)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
 
     median = time_steps(step, warmup + (3 if compile_model else 0), steps)
     tps = batch * seq / median
-    out = {"impl": f"pytorch {torch.__version__} {'compile' if compile_model else 'eager'}", "params": params,
+    out = {"impl": f"pytorch {torch.__version__} {'compile' if compile_model else 'eager'}" + (" clip" if clip else ""),
+           "params": params,
            "median_step_s": median, "tokens_per_s": tps,
            "mfu": tps * flops_per_token(params, layers, hidden, seq) / PEAK,
            "peak_memory_gib": torch.cuda.max_memory_reserved() / 2**30}
@@ -190,19 +195,19 @@ def run_torch(name, batch, seq, compile_model, warmup, steps):
 VOCAB = {"gpt2": 50257, "gpt2-v50304": 50304, "llama": 128256, "mixtral2": MIXTRAL2["vocab_size"]}
 
 
-def run_tessera(build, name, batch, seq, warmup, steps, fp8=None):
+def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False):
     model = "llama3.2-1b" if name == "llama" else "gpt2-124m"
     if name == "mixtral2":
         model = json.dumps(dict(MIXTRAL2, architecture="mixtral", tie_embeddings=False,
                                 router_aux_loss_coef=0.01))
     cmd = [os.path.join(build, "bench_train_step"), "--model", model, "--device", "cuda", "--precision", "bf16",
            "--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup),
-           "--vocab", str(VOCAB[name])]
+           "--vocab", str(VOCAB[name]), "--grad-clip", "1.0" if clip else "0"]
     if fp8:
         cmd += ["--fp8", fp8]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     result = json.loads(out)
-    result["impl"] = f"tessera fp8 ({fp8} scaling)" if fp8 else "tessera bf16"
+    result["impl"] = (f"tessera fp8 ({fp8} scaling)" if fp8 else "tessera bf16") + (" clip" if clip else "")
     if name == "mixtral2":  # MFU over the active parameters, as for PyTorch's figure
         m, p = MIXTRAL2, result["params"]
         expert = 3 * m["num_layers"] * m["num_experts"] * m["hidden_size"] * m["intermediate_size"]
@@ -218,6 +223,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time torch.compile")
     ap.add_argument("--fp8", action="append", default=[], choices=["current", "delayed"],
                     help="also time tessera with the blocks' linears in FP8 under this recipe (repeatable)")
+    ap.add_argument("--clip", action="store_true",
+                    help="clip gradients to global norm 1.0 in every implementation (default: none, in all)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -225,12 +232,12 @@ def main():
     rows = []
     for name in args.models.split(","):
         batch, seq = shapes[name]
-        results = [run_tessera(args.build, name, batch, seq, args.warmup, args.steps)]
+        results = [run_tessera(args.build, name, batch, seq, args.warmup, args.steps, clip=args.clip)]
         for recipe in args.fp8:
-            results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, fp8=recipe))
-        results.append(run_torch(name, batch, seq, False, args.warmup, args.steps))
+            results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, fp8=recipe, clip=args.clip))
+        results.append(run_torch(name, batch, seq, False, args.warmup, args.steps, clip=args.clip))
         if args.compile:
-            results.append(run_torch(name, batch, seq, True, args.warmup, args.steps))
+            results.append(run_torch(name, batch, seq, True, args.warmup, args.steps, clip=args.clip))
         for r in results:
             r.update(model=name, batch=batch, seq=seq)
             print(json.dumps(r), flush=True)

@@ -23,6 +23,11 @@
 // layer on the same data ("ok" below 0.1). "keepWt": with MoEFp8Options::keep_weight_transpose
 // (each expert's W^T codes kept from forward to backward instead of re-cast there).
 //
+// "step" rows: each timed call starts as a training step's first micro-batch does after
+// zero_grad, with both weights' gradients lazily zeroed (nn::Parameter::grad_unwritten), so
+// the weight-gradient GEMMs overwrite (beta 0) instead of reading and adding to dW. The other
+// rows accumulate into dW (beta 1), as later micro-batches do.
+//
 // Usage: bench_moe [runs]     (needs a GPU)
 //        bench_moe profile    one balanced BF16 and one FP8 forward+backward between
 //                             cudaProfilerStart/Stop, for `ncu --profile-from-start off`
@@ -83,7 +88,7 @@ Tensor loop_forward(Context& ctx, const nn::GroupedMLP& mlp, const Tensor& x, co
 }
 
 void run_case(const char* name, const std::vector<int64_t>& splits, int runs, int streams, bool fp8 = false,
-              bool profile = false, bool keep_weight_transpose = false) {
+              bool profile = false, bool keep_weight_transpose = false, bool step_start = false) {
   set_grouped_gemm_streams(streams);
   Context ctx = Context::cuda(0);
   const int64_t rows = kTokens * kTopK;
@@ -134,6 +139,7 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
   const double fwd_ms = median_ms([&] { (void)mlp.forward(ctx, x, scale, splits, saved); }, runs, 3);
   const double all_ms = median_ms(
       [&] {
+        if (step_start) mlp.fc.weight.grad_unwritten = mlp.proj.weight.grad_unwritten = true;  // as zero_grad
         (void)mlp.forward(ctx, x, scale, splits, saved);
         (void)mlp.backward_input(ctx, dy, saved);
         mlp.backward_weight(ctx, dy, saved);
@@ -175,6 +181,10 @@ int main(int argc, char** argv) {
     run_case("bal fp8", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, true);
     run_case("skew fp8", {4096, 3072, 2048, 2048, 1536, 1536, 1024, 1024}, runs, 1, true);
     run_case("bal fp8 keepWt", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, true, false, true);
+    // A step's first micro-batch: dW overwritten (beta 0) after a lazy zero_grad.
+    run_case("bal step", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, false, false, false, true);
+    run_case("bal fp8 step", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, true, false, false,
+             true);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe: %s\n", e.what());

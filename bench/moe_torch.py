@@ -7,7 +7,10 @@ routing probability. Two PyTorch forms:
   loop        one expert at a time (Hugging Face's MixtralSparseMoeBlock does this): three
               nn.Linear-style matmuls per expert;
   grouped_mm  torch._grouped_mm over all experts at once, with device-side offsets.
-CUDA events, 3 warm-up calls, median of `runs`; the FLOP count of bench_moe.
+CUDA events, 3 warm-up calls, median of `runs`; the FLOP count of bench_moe. The gradients
+accumulate from call to call (autograd adds into .grad), as in bench_moe's plain rows; the
+"step" forms first set every .grad to None, so autograd writes them instead (a training step's
+first micro-batch), as bench_moe's "step" rows do.
 
 Usage: python3 bench/moe_torch.py [runs]
 """
@@ -55,12 +58,14 @@ def main():
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     flop_fwd = 6.0 * TOKENS * TOPK * H * FFN
     print(f"PyTorch {torch.__version__} expert MLP on {torch.cuda.get_device_name()}: median of {runs} runs\n")
-    print("| splits   | form       |  fwd ms | TFLOP/s | fwd+bwd ms | TFLOP/s |\n|---|---|---|---|---|---|")
+    print("| splits   | form            |  fwd ms | TFLOP/s | fwd+bwd ms | TFLOP/s |\n|---|---|---|---|---|---|")
     for name, splits in SPLITS.items():
         x, scale, w_fc, w_proj, dy = make(splits)
         offsets = torch.tensor(splits, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
         forms = {"loop": lambda: loop_forward(x, scale, w_fc, w_proj, splits),
                  "grouped_mm": lambda: grouped_forward(x, scale, w_fc, w_proj, offsets)}
+        forms["loop step"] = forms["loop"]
+        forms["grouped_mm step"] = forms["grouped_mm"]
         for form, fwd in forms.items():
             try:
                 def forward_only():
@@ -68,15 +73,17 @@ def main():
                         fwd()
 
                 def both():
+                    if form.endswith("step"):
+                        x.grad = w_fc.grad = w_proj.grad = None
                     y = fwd()
                     torch.autograd.backward(y, dy)
 
                 fwd_ms = median_ms(forward_only, runs, 3)
                 all_ms = median_ms(both, runs, 3)
-                print(f"| {name:8} | {form:10} | {fwd_ms:7.2f} | {flop_fwd / fwd_ms * 1e-9:7.1f} | {all_ms:10.2f} | "
+                print(f"| {name:8} | {form:15} | {fwd_ms:7.2f} | {flop_fwd / fwd_ms * 1e-9:7.1f} | {all_ms:10.2f} | "
                       f"{3 * flop_fwd / all_ms * 1e-9:7.1f} |", flush=True)
             except Exception as e:  # torch._grouped_mm is private and may be missing
-                print(f"| {name:8} | {form:10} | failed: {type(e).__name__}: {e} |")
+                print(f"| {name:8} | {form:15} | failed: {type(e).__name__}: {e} |")
         x.grad = w_fc.grad = w_proj.grad = None
 
 

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 
 #include "bench_models.h"
 #include "tessera/core/allocator.h"
@@ -85,6 +86,15 @@ int main(int argc, char** argv) {
   app.add_flag("--keep-activation", keep_activation,
                "llama: keep the SwiGLU output from forward to backward instead of recomputing it "
                "(model.recompute_activation: false)");
+  double grad_clip = train::OptimizerConfig().grad_clip;
+  app.add_option("--grad-clip", grad_clip,
+                 "Global-norm gradient clipping of the AdamW step (0: none, as bench/gpu_train_step.py's PyTorch "
+                 "step, which it passes unless --clip)")
+      ->capture_default_str();
+  bool eager_zero_grad = false;
+  app.add_flag("--eager-zero-grad", eager_zero_grad,
+               "Clear every gradient at zero_grad (a memset, then the first GEMMs add to zeros) instead of "
+               "letting each weight's first gradient GEMM overwrite it (the default; for timing both)");
   CLI11_PARSE(app, argc, argv);
   try {
     models::ModelConfig config = named_or_json(model_json);
@@ -98,7 +108,9 @@ int main(int argc, char** argv) {
     models::TransformerLM model(config, precision == "bf16" ? DType::BF16 : DType::F32);
     model.to(ctx.device);
     model.init(ctx, 1);
-    train::Optimizer optimizer(model.parameters(), {});
+    train::OptimizerConfig optimizer_config;
+    optimizer_config.grad_clip = grad_clip;
+    train::Optimizer optimizer(model.parameters(), optimizer_config);
     std::shared_ptr<nn::Fp8Scaling> fp8_state;
     if (!fp8_recipe.empty()) {
       if (precision != "bf16") throw std::runtime_error("--fp8 needs --precision bf16");
@@ -125,6 +137,7 @@ int main(int argc, char** argv) {
 #endif
       const auto start = std::chrono::steady_clock::now();
       model.zero_grad();
+      if (eager_zero_grad) model.materialize_grads(ctx);  // what zero_grad did before it was lazy
       loss = model.forward_backward(ctx, inputs, targets);
       if (fp8_state) fp8_state->end_micro_batch(ctx);
       optimizer.step(ctx, 1e-4);
@@ -180,6 +193,9 @@ int main(int argc, char** argv) {
                           {"mfu", tokens_per_s * flops_per_token(config, model.num_parameters(), seq) / 989e12},
                           {"loss", loss}};
     if (cuda_graph) out.update(graph_info);
+    if (eager_zero_grad) out["eager_zero_grad"] = true;
+    out["grad_clip"] = grad_clip;
+    if (const char* rows = std::getenv("TESSERA_HEAD_CHUNK_ROWS")) out["head_chunk_rows"] = rows;
 #if TESSERA_WITH_CUDA
     if (ctx.device.is_cuda()) {
       const cuda::AllocatorStats stats = cuda::allocator_stats(0);
