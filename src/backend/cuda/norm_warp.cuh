@@ -486,6 +486,12 @@ __global__ void __launch_bounds__(kWarpRowThreads, 2)
   if (blockDim.y > 1) {
     extern __shared__ float columns[];  // [cols] dgamma, then [cols] dbeta
     // Group 0 stores, the others add in turn (a group without rows adds its zeros).
+    // compute-sanitizer racecheck reports hazards here when the block's groups took different
+    // numbers of rows, i.e. passed their named barriers (warp_row_sum) a different number of
+    // times. A false report (thirteenth session): a minimal probe, whose groups pass their own
+    // named barrier once or twice and then fold as below between __syncthreads, is reported
+    // the same way and gives the right sums; with every group on the same row count (or the
+    // same number of named barriers) both this kernel and the probe report nothing.
     auto fold = [&](float* column, const float (&acc)[VEC], bool first_group) {
 #pragma unroll
       for (int q = 0; q < VEC / 4; ++q) {
