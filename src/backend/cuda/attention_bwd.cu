@@ -566,7 +566,7 @@ void attention_backward_fast(void* stream, const Tensor& d_out, const Tensor& q,
               deterministic ? nullptr : dq_accum.data<float>()};
   // The wgmma kernel's padded row statistics (when it may run), from the caching allocator too.
   Tensor row_stats;
-  if (attention_backward_wgmma() && (!deterministic || D == 128))
+  if (attention_backward_wgmma() && backward_wgmma_runs(static_cast<int>(D)) && (!deterministic || D == 128))
     row_stats = Tensor::empty({backward_wgmma_scratch_floats(B, p)}, DType::F32, q.device());
   float* stats = row_stats.defined() ? row_stats.data<float>() : nullptr;
   if (!deterministic) {

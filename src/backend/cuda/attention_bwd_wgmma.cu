@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   // The producer warpgroup: one thread loads K and V once, then step n's Q, dO, lse2 and
-  // Delta into stage n % kStages once every consumer warp has released that stage's previous
+  // Delta into stage n % kStages once every consumer thread has released that stage's previous
   // step.
   if (threadIdx.x / 128 == kConsumers) {
     regs_dealloc<kProducerRegisters>();
@@ -494,14 +494,17 @@ int64_t backward_wgmma_scratch_floats(int64_t batch, const BwdParams& p) {
   return 2 * batch * p.Hq * T_pad;  // lse2, then Delta
 }
 
+bool backward_wgmma_runs(int D) {
+  int device = 0;
+  return (D == 64 || D == 128) && cudaGetDevice(&device) == cudaSuccess && device_is_hopper(device);
+}
+
 bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch, float* row_stats,
                            bool with_dq) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || !device_is_hopper(device)) return false;
+  if (!backward_wgmma_runs(D)) return false;
   TESSERA_CHECK(row_stats != nullptr, "attention backward (wgmma): no scratch for the row statistics");
   if (D == 64) launch<64>(stream, p, batch, row_stats, with_dq);
-  else if (D == 128) launch<128>(stream, p, batch, row_stats, with_dq);
-  else return false;
+  else launch<128>(stream, p, batch, row_stats, with_dq);
   return true;
 }
 

@@ -40,5 +40,7 @@ struct BwdParams {
 bool launch_backward_wgmma(cudaStream_t stream, const BwdParams& p, int D, int64_t batch, float* row_stats,
                            bool with_dq = true);
 int64_t backward_wgmma_scratch_floats(int64_t batch, const BwdParams& p);
+// Whether launch_backward_wgmma runs for head dimension D on the current device.
+bool backward_wgmma_runs(int D);
 
 }  // namespace tessera::cuda::attn
