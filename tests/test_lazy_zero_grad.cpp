@@ -9,6 +9,7 @@
 
 #include "gpu_testing.h"
 #include "tessera/models/transformer_lm.h"
+#include "tessera/ops/gemm.h"
 #include "tessera/ops/moe.h"
 #include "testing.h"
 
@@ -107,7 +108,41 @@ void expect_grouped_overwrite(Context& ctx) {
   EXPECT_EQ(dw.to(Device::cpu()).to_doubles(), zeros.to(Device::cpu()).to_doubles());
 }
 
+// linear_weight_grad's overwrite form: dweight = dy^T x whatever it held (NaN here), while
+// dbias still adds; against the accumulating form on zeros. BF16 operands with a bias take
+// cuBLASLt's bias-gradient epilogue on CUDA.
+void expect_linear_overwrite(Context& ctx, double tolerance) {
+  const Tensor dy = random_tensor({40, 24}, DType::BF16, 3).to(ctx.device);
+  const Tensor x = random_tensor({40, 16}, DType::BF16, 4).to(ctx.device);
+  Tensor dw = Tensor::empty({24, 16}, DType::F32, ctx.device), dw_ref = Tensor::zeros({24, 16}, DType::F32, ctx.device);
+  fill_nan(dw);
+  const Tensor bias0 = random_tensor({24}, DType::F32, 5).to(ctx.device);
+  Tensor db = bias0.clone(), db_ref = bias0.clone();
+  linear_weight_grad(ctx, dy, x, dw, db, /*accumulate_weight=*/false);
+  linear_weight_grad(ctx, dy, x, dw_ref, db_ref);
+  // (On CUDA beta 0 and 1 may run different cuBLASLt kernels: hence the tolerance there.)
+  const auto expect_close = [&](const Tensor& a, const Tensor& b, const char* what) {
+    const std::vector<double> got = a.to(Device::cpu()).to_doubles(), want = b.to(Device::cpu()).to_doubles();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_NEAR(got[i], want[i], tolerance * (1 + std::fabs(want[i]))) << what << " element " << i;
+  };
+  expect_close(dw, dw_ref, "dweight");
+  expect_close(db, db_ref, "dbias");  // the bias gradient still adds to what it held
+}
+
 }  // namespace
+
+TEST(LazyZeroGrad, LinearWeightGradOverwrites) {
+  Context cpu = Context::cpu();
+  expect_linear_overwrite(cpu, 0.0);
+}
+
+TEST(LazyZeroGrad, GpuLinearWeightGradOverwrites) {
+  REQUIRE_GPU();
+  Context gpu = Context::cuda();
+  expect_linear_overwrite(gpu, 1e-5);
+}
 
 TEST(LazyZeroGrad, CpuStepEqualsEagerZeroing) {
   Context ctx = Context::cpu();
