@@ -95,6 +95,10 @@ int main(int argc, char** argv) {
   app.add_flag("--eager-zero-grad", eager_zero_grad,
                "Clear every gradient at zero_grad (a memset, then the first GEMMs add to zeros) instead of "
                "letting each weight's first gradient GEMM overwrite it (the default; for timing both)");
+  bool eager_bias_grad = false;
+  app.add_flag("--eager-bias-grad", eager_bias_grad,
+               "Clear the Linear biases' gradients at zero_grad (the bias-gradient epilogue then sums into a "
+               "scratch vector that is added) instead of letting it write them (the default; for timing both)");
   CLI11_PARSE(app, argc, argv);
   try {
     models::ModelConfig config = named_or_json(model_json);
@@ -138,6 +142,9 @@ int main(int argc, char** argv) {
       const auto start = std::chrono::steady_clock::now();
       model.zero_grad();
       if (eager_zero_grad) model.materialize_grads(ctx);  // what zero_grad did before it was lazy
+      if (eager_bias_grad)
+        for (nn::Parameter* p : model.parameters())
+          if (p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, ".bias") == 0) p->materialize_grad(ctx);
       loss = model.forward_backward(ctx, inputs, targets);
       if (fp8_state) fp8_state->end_micro_batch(ctx);
       optimizer.step(ctx, 1e-4);
@@ -194,6 +201,7 @@ int main(int argc, char** argv) {
                           {"loss", loss}};
     if (cuda_graph) out.update(graph_info);
     if (eager_zero_grad) out["eager_zero_grad"] = true;
+    if (eager_bias_grad) out["eager_bias_grad"] = true;
     out["grad_clip"] = grad_clip;
     if (const char* rows = std::getenv("TESSERA_HEAD_CHUNK_ROWS")) out["head_chunk_rows"] = rows;
 #if TESSERA_WITH_CUDA

@@ -1,5 +1,6 @@
-// Lazy zero_grad (nn::Parameter::grad_unwritten): the gradients of Linear and GroupedLinear
-// weights and of the LM head are not cleared by zero_grad; their first writer of the step
+// Lazy zero_grad (nn::Parameter::grad_unwritten): the gradients of Linear weights and biases
+// (biases while no FP8 recipe is bound), GroupedLinear weights and the LM head are not
+// cleared by zero_grad; their first writer of the step
 // overwrites them (beta 0). The stale memory must never leak: every gradient here is filled
 // with NaN before zero_grad, and the step must give the gradients of an eagerly zeroed model
 // (the same bits on the CPU; on the GPU cuBLASLt may pick another kernel for beta 0, so there
@@ -129,6 +130,17 @@ void expect_linear_overwrite(Context& ctx, double tolerance) {
   };
   expect_close(dw, dw_ref, "dweight");
   expect_close(db, db_ref, "dbias");  // the bias gradient still adds to what it held
+
+  // Both overwritten (accumulate_bias false: on CUDA the epilogue writes into dbias itself),
+  // over NaN, against the accumulating form on zeros.
+  Tensor db_over = Tensor::empty({24}, DType::F32, ctx.device), db_zero = Tensor::zeros({24}, DType::F32, ctx.device);
+  Tensor dw_zero = Tensor::zeros({24, 16}, DType::F32, ctx.device);
+  fill_nan(dw);
+  fill_nan(db_over);
+  linear_weight_grad(ctx, dy, x, dw, db_over, /*accumulate_weight=*/false, /*accumulate_bias=*/false);
+  linear_weight_grad(ctx, dy, x, dw_zero, db_zero);
+  expect_close(dw, dw_zero, "dweight (both overwritten)");
+  expect_close(db_over, db_zero, "dbias (overwritten)");
 }
 
 }  // namespace

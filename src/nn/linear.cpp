@@ -44,6 +44,9 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
                 " -> ", out_features);
   if (has_bias) bias = Parameter(name + ".bias", {out_features}, dtype, false);
   weight.grad_overwrite_ok = true;  // backward_weight is its only gradient writer
+  // The bias too, until an FP8 recipe is bound (use_fp8): its casts sum the bias gradient
+  // into bias.grad, adding.
+  bias.grad_overwrite_ok = has_bias;
 }
 
 bool Linear::runs_fp8(const Tensor& x) const {
@@ -233,7 +236,10 @@ void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved)
       fp8::mxfp8_gemm_emulated(ctx, saved.dy_mx, true, saved.x_mx, false, weight.grad, options);
       saved.dy_mx = fp8::MxQuantizedTensor();
     }
-    if (bias.value.defined()) bias_grad(ctx, dy, bias.grad);
+    if (bias.value.defined()) {
+      bias.materialize_grad(ctx);
+      bias_grad(ctx, dy, bias.grad);
+    }
     return;
   }
   if (saved.fp8) {
@@ -242,13 +248,18 @@ void Linear::backward_weight(Context& ctx, const Tensor& dy, const Saved& saved)
     options.beta = beta;
     fp8::fp8_gemm(ctx, saved.dy_fp8, true, saved.x_fp8, false, weight.grad, options);
     // Unless dy's cast summed it already (backward_input(Tensor)): then dy is not read here.
-    if (bias.value.defined() && !saved.bias_grad_done) bias_grad(ctx, dy, bias.grad);
+    if (bias.value.defined() && !saved.bias_grad_done) {
+      bias.materialize_grad(ctx);
+      bias_grad(ctx, dy, bias.grad);
+    }
     saved.bias_grad_done = false;
     saved.dy_fp8 = fp8::QuantizedTensor();
     return;
   }
-  // dW (+)= dy^T x and db += column sums of dy (one GEMM on CUDA, its epilogue sums the bias)
-  linear_weight_grad(ctx, dy, saved.x, weight.grad, bias.grad, /*accumulate_weight=*/!overwrite);
+  // dW (+)= dy^T x and db (+)= column sums of dy (one GEMM on CUDA, its epilogue sums the bias)
+  const bool overwrite_bias = bias.value.defined() && bias.begin_grad_write(ctx, dy.size(0) > 0);
+  linear_weight_grad(ctx, dy, saved.x, weight.grad, bias.grad, /*accumulate_weight=*/!overwrite,
+                     /*accumulate_bias=*/!overwrite_bias);
 }
 
 void Linear::parameters(ParameterList& out) {

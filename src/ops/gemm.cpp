@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "backend/cpu/gemm.h"
+#include "tessera/core/stream.h"
 #include "tessera/ops/activation.h"
 #include "tessera/ops/elementwise.h"
 #include "dispatch.h"
@@ -151,26 +152,32 @@ void bias_grad(Context& ctx, const Tensor& dy, Tensor& dbias) {
 }
 
 void linear_weight_grad(Context& ctx, const Tensor& dy, const Tensor& x, Tensor& dweight, Tensor& dbias,
-                        bool accumulate_weight) {
+                        bool accumulate_weight, bool accumulate_bias) {
   const GemmOptions options{.transpose_a = true, .beta = accumulate_weight ? 1.0f : 0.0f};
 #if TESSERA_WITH_CUDA
-  // The bias gradient out of the weight GEMM's epilogue: cuBLASLt overwrites a vector, the
-  // gradient accumulates, so the sums land in a scratch vector that is then added (N floats,
-  // against a second pass over all of dy).
+  // The bias gradient out of the weight GEMM's epilogue: cuBLASLt overwrites a vector. An
+  // accumulating gradient takes the sums in a scratch vector that is then added (N floats,
+  // against a second pass over all of dy); an overwritten one takes them directly.
   if (ctx.device.is_cuda() && dbias.defined() && dbias.dtype() == DType::F32 && dbias.is_contiguous() &&
       dy.dim() == 2 && dbias.dim() == 1 && dbias.size(0) == dy.size(1) && dbias.device() == ctx.device &&
       (dy.dtype() == DType::BF16 || dy.dtype() == DType::F32)) {
     check_gemm(ctx, dy, x, dweight, options, Tensor(), "linear_weight_grad");
-    Tensor sums = Tensor::empty({dy.size(1)}, DType::F32, ctx.device);
+    Tensor sums = accumulate_bias ? Tensor::empty({dy.size(1)}, DType::F32, ctx.device) : dbias;
     if (cuda::gemm_bias_grad_available(dy, x, dweight, true, false, 1.0f, sums)) {
       cuda::gemm(ctx.stream, dy, x, dweight, true, false, 1.0f, options.beta, sums, GemmEpilogue::BiasGrad);
-      add(ctx, dbias, sums, dbias);
+      if (accumulate_bias) add(ctx, dbias, sums, dbias);
       return;
     }
   }
 #endif
   gemm(ctx, dy, x, dweight, options);
-  if (dbias.defined()) bias_grad(ctx, dy, dbias);
+  if (dbias.defined()) {
+    if (!accumulate_bias) {
+      StreamGuard on_stream(ctx);  // in order with the GEMM above and the sum below
+      dbias.fill_zero();
+    }
+    bias_grad(ctx, dy, dbias);
+  }
 }
 
 void sum_of_squares(Context& ctx, const Tensor& x, Tensor& out) {

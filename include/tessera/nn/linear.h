@@ -71,7 +71,11 @@ class Linear {
   void parameters(ParameterList& out);
 
   // Run this layer's GEMMs in FP8 (see above); an empty binding turns FP8 off.
-  void use_fp8(Fp8Binding binding) { fp8_ = std::move(binding); }
+  // Binding a recipe makes the bias gradient eager (its casts add into it: see the constructor).
+  void use_fp8(Fp8Binding binding) {
+    fp8_ = std::move(binding);
+    bias.grad_overwrite_ok = bias.value.defined() && !fp8_.scaling;
+  }
   const Fp8Binding& fp8_binding() const { return fp8_; }
   // Whether forward(x) takes the FP8 path (any recipe).
   bool runs_fp8(const Tensor& x) const;

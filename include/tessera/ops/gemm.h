@@ -70,9 +70,11 @@ void bias_grad(Context& ctx, const Tensor& dy, Tensor& dbias);
 // epilogue (cuBLASLt BGRADB, FP32 sums) instead of a second pass over dy; where cuBLASLt
 // offers no such kernel for the shape, the two ops run as on the CPU. accumulate_weight
 // false OVERWRITES dweight instead (beta 0: its old contents are never read), the first
-// gradient of a step after a lazy zero_grad (nn::Parameter::grad_unwritten); dbias still adds.
+// gradient of a step after a lazy zero_grad (nn::Parameter::grad_unwritten); accumulate_bias
+// false likewise overwrites dbias (on CUDA the epilogue writes the column sums straight into
+// it: no scratch vector, no add).
 void linear_weight_grad(Context& ctx, const Tensor& dy, const Tensor& x, Tensor& dweight, Tensor& dbias,
-                        bool accumulate_weight = true);
+                        bool accumulate_weight = true, bool accumulate_bias = true);
 
 // out[0] = sum_i x[i]^2 over every element of x (any shape, any floating dtype).
 // out is [1], F32 or F64, and is overwritten. Accumulates in double, in a fixed order, so
