@@ -31,6 +31,8 @@
 //   filter: run only ops whose name contains it (for profiling one kernel with ncu, runs = 1);
 //   --sweep-norm: repeat under every launch shape of the norm kernels (cuda::NormTuning),
 //   the row-group and the warp-row families (--sweep-norm-warp: the warp-row family only)
+//   --sweep-norm-backward: the backward kernels' variants (row-group at one or two vectors a
+//   thread, warp-row at 8 and 16 words a lane)
 //   --sweep-softmax: repeat under each softmax forward / cross-entropy kernel choice
 //     (cuda::RowTuning: previous kernels, warp-row kernels with automatic and forced lanes
 //     per row) at both shapes; the filter may list several names, comma-separated
@@ -786,6 +788,27 @@ int main(int argc, char** argv) {
       run_shape(16384, 768);
     }
     cuda::set_row_tuning({});
+    return 0;
+  }
+  if (argc > 3 && std::strcmp(argv[3], "--sweep-norm-backward") == 0) {
+    // The backward kernels' variants at the default shape (filter "backward" to time only them).
+    struct Choice {
+      const char* what;
+      cuda::NormTuning tuning;
+    };
+    const Choice choices[] = {
+        {"default", {}},
+        {"row-group, 1 vector a thread", {0, -1, 1}},
+        {"warp-row, 8 words a lane (eight warps a row)", {0, -1, 0, 2}},
+        {"warp-row, 16 words a lane (four warps a row)", {0, -1, 0, 2, 16}},
+    };
+    for (const Choice& c : choices) {
+      cuda::set_norm_tuning(c.tuning);
+      std::printf("\n#### norm backward: %s\n", c.what);
+      run_shape(16384, 4096);
+      run_shape(16384, 768);
+    }
+    cuda::set_norm_tuning({});
     return 0;
   }
   const bool sweep_warp_only = argc > 3 && std::strcmp(argv[3], "--sweep-norm-warp") == 0;
