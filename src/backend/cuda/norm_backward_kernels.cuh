@@ -13,6 +13,11 @@
 // default 4096 BF16 shape (two vectors a thread, 128 at most): LayerNorm 128 -> 128, fused
 // 128 -> 128 with the early residual (it spilled 40 bytes with the partial in registers);
 // one vector a thread (64 at most) spills 40 bytes instead of 108.
+// Tried and dropped (fourteenth session, H200, same shape; bench/RESULTS.md): the plain
+// LayerNorm backward (77-79% of copy; 16 warps an SM, 0.66 instructions issued a cycle per
+// scheduler under ncu) with the next 1-3 rows' x and dy staged in shared memory by cp.async
+// instead of one row in registers: 65-66%; with xhat and dy * gamma recomputed after the
+// reduction to fit three blocks an SM in 80 registers: it spills, 50%.
 #pragma once
 
 #include "norm_kernels.cuh"
