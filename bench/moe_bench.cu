@@ -23,13 +23,18 @@
 // layer on the same data ("ok" below 0.1). "keepWt": with MoEFp8Options::keep_weight_transpose
 // (each expert's W^T codes kept from forward to backward instead of re-cast there).
 //
+// "delayed" rows: FP8 with delayed scaling (Transformer Engine's default recipe; MoEFp8Options::
+// delayed): every cast takes its scale from the state and records its amax in the same pass,
+// so the amax passes go and the SwiGLU backward cast is one pass. The timed call includes the
+// state's update (one launch a step); the scales come from the warm-up calls' amaxes.
+//
 // "step" rows: each timed call starts as a training step's first micro-batch does after
 // zero_grad, with both weights' gradients lazily zeroed (nn::Parameter::grad_unwritten), so
 // the weight-gradient GEMMs overwrite (beta 0) instead of reading and adding to dW. The other
 // rows accumulate into dW (beta 1), as later micro-batches do.
 //
 // Usage: bench_moe [runs]     (needs a GPU)
-//        bench_moe profile    one balanced BF16 and one FP8 forward+backward between
+//        bench_moe profile    one balanced BF16, one FP8 and one delayed-FP8 forward+backward between
 //                             cudaProfilerStart/Stop, for `ncu --profile-from-start off`
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
@@ -42,8 +47,11 @@
 #include <string>
 #include <vector>
 
+#include <memory>
+
 #include "gpu_timing.h"
 #include "tessera/core/random.h"
+#include "tessera/fp8/device_scaling.h"
 #include "tessera/nn/moe.h"
 #include "tessera/ops/gemm.h"
 #include "tessera/ops/moe.h"
@@ -88,7 +96,8 @@ Tensor loop_forward(Context& ctx, const nn::GroupedMLP& mlp, const Tensor& x, co
 }
 
 void run_case(const char* name, const std::vector<int64_t>& splits, int runs, int streams, bool fp8 = false,
-              bool profile = false, bool keep_weight_transpose = false, bool step_start = false) {
+              bool profile = false, bool keep_weight_transpose = false, bool step_start = false,
+              bool delayed = false) {
   set_grouped_gemm_streams(streams);
   Context ctx = Context::cuda(0);
   const int64_t rows = kTokens * kTopK;
@@ -107,11 +116,22 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
   nn::GroupedMLP::Saved saved;
   const Tensor y = mlp.forward(ctx, x, scale, splits, saved);
   double err = relative_error(y, loop_forward(ctx, mlp, x, scale, splits));
+  std::shared_ptr<fp8::DeviceDelayedScaling> state;
   if (fp8) {
     const Tensor dx16 = mlp.backward_input(ctx, dy, saved);
     MoEFp8Options options;
     options.keep_weight_transpose = keep_weight_transpose;
+    if (delayed) {
+      state = std::make_shared<fp8::DeviceDelayedScaling>(ctx, fp8::DelayedScalingConfig{}, mlp.delayed_roles());
+      options.delayed = state;
+    }
     mlp.use_fp8(options);
+    if (state) {  // one step to fill the history, so that the checked step has real scales
+      nn::GroupedMLP::Saved warm;
+      (void)mlp.forward(ctx, x, scale, splits, warm);
+      (void)mlp.backward_input(ctx, dy, warm);
+      state->update(ctx);
+    }
     nn::GroupedMLP::Saved saved8;
     const Tensor y8 = mlp.forward(ctx, x, scale, splits, saved8);
     if (!saved8.fp8) throw std::runtime_error("the FP8 path did not run");
@@ -125,6 +145,7 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
       (void)mlp.forward(ctx, x, scale, splits, saved);
       (void)mlp.backward_input(ctx, dy, saved);
       mlp.backward_weight(ctx, dy, saved);
+      if (state) state->update(ctx);
     }
     CHECK_CUDA(cudaDeviceSynchronize());
     CHECK_CUDA(cudaProfilerStart());
@@ -143,6 +164,7 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
         (void)mlp.forward(ctx, x, scale, splits, saved);
         (void)mlp.backward_input(ctx, dy, saved);
         mlp.backward_weight(ctx, dy, saved);
+        if (state) state->update(ctx);  // the step's scale update
       },
       runs, 3);
   const double flop_fwd = 6.0 * rows * kHidden * kFfn;
@@ -158,6 +180,7 @@ int main(int argc, char** argv) {
       const std::vector<int64_t> balanced(kExperts, kTokens * kTopK / kExperts);
       run_case("balanced", balanced, 0, 1, false, true);
       run_case("bal fp8", balanced, 0, 1, true, true);
+      run_case("bal fp8 delayed", balanced, 0, 1, true, true, true, false, true);
       return 0;
     }
     const int runs = argc > 1 ? std::max(5, std::atoi(argv[1])) : 20;
@@ -185,6 +208,13 @@ int main(int argc, char** argv) {
     run_case("bal step", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, false, false, false, true);
     run_case("bal fp8 step", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, true, false, false,
              true);
+    // Delayed scaling: plain, with W^T kept, skewed, and as a step's first micro-batch.
+    const std::vector<int64_t> balanced(kExperts, kTokens * kTopK / kExperts);
+    run_case("bal fp8 delayed", balanced, runs, 1, true, false, false, false, true);
+    run_case("bal fp8 delayed keepWt", balanced, runs, 1, true, false, true, false, true);
+    run_case("skew fp8 delayed", {4096, 3072, 2048, 2048, 1536, 1536, 1024, 1024}, runs, 1, true, false, false, false,
+             true);
+    run_case("bal fp8 delayed keepWt step", balanced, runs, 1, true, false, true, true, true);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe: %s\n", e.what());

@@ -79,20 +79,34 @@ Tensor Fp8Scaling::current_scale(Context& ctx, const Tensor& amax, Slot slot) co
   return scale;
 }
 
+std::shared_ptr<fp8::DeviceDelayedScaling> Fp8Scaling::make_expert_state(Context& ctx, std::vector<fp8::Role> roles) {
+  const auto* delayed = std::get_if<fp8::DelayedScalingConfig>(&recipe_.config);
+  if (!delayed) return nullptr;
+  TESSERA_CHECK(!expert_delayed_, "Fp8Scaling::make_expert_state: the experts' state exists already");
+  expert_delayed_ = std::make_shared<fp8::DeviceDelayedScaling>(ctx, *delayed, std::move(roles));
+  return expert_delayed_;
+}
+
 void Fp8Scaling::end_micro_batch(Context& ctx) {
   if (delayed_) delayed_->record(ctx);
+  if (expert_delayed_) expert_delayed_->record(ctx);
 }
 
 void Fp8Scaling::end_step(Context& ctx) {
   if (delayed_) delayed_->update(ctx);
+  if (expert_delayed_) expert_delayed_->update(ctx);
 }
 
 std::map<std::string, Tensor> Fp8Scaling::state_dict() const {
-  return delayed_ ? delayed_->state_dict("fp8.") : std::map<std::string, Tensor>{};
+  std::map<std::string, Tensor> out = delayed_ ? delayed_->state_dict("fp8.") : std::map<std::string, Tensor>{};
+  if (expert_delayed_) out.merge(expert_delayed_->state_dict("fp8.experts."));
+  return out;
 }
 
 void Fp8Scaling::load_state_dict(Context& ctx, const std::map<std::string, Tensor>& tensors) {
   if (delayed_) delayed_->load_state_dict(ctx, tensors, "fp8.");
+  if (expert_delayed_ && tensors.count("fp8.experts.amax_history"))
+    expert_delayed_->load_state_dict(ctx, tensors, "fp8.experts.");
 }
 
 }  // namespace tessera::nn

@@ -64,10 +64,9 @@ Tensor GroupedLinear::forward_fp8(Context& ctx, MoEFp8Rows x, Fp8Saved& saved) c
 Tensor GroupedLinear::backward_input_fp8(Context& ctx, const Tensor& dy, Fp8Saved& saved, const Tensor& dy_amax) const {
   TESSERA_CHECK(fp8_.has_value() && saved.x.data_t.defined(), "GroupedLinear ", weight.name,
                 ": backward_input_fp8 needs forward_fp8 first");
-  const DType fp8 = fp8_->gradient_dtype();
   return backward_input_fp8(ctx,
-                            dy_amax.defined() ? moe_fp8_quantize_rows(ctx, dy, dy_amax, saved.x.splits, fp8, *fp8_)
-                                              : moe_fp8_quantize_rows(ctx, dy, saved.x.splits, fp8, *fp8_),
+                            moe_fp8_cast_rows_for(ctx, dy, saved.x.splits, fp8_->gradient_dtype(), *fp8_,
+                                                  MoEFp8Options::kDelayedGradOutput, dy_amax),
                             saved);
 }
 
@@ -125,8 +124,18 @@ Tensor GroupedMLP::forward(Context& ctx, const Tensor& x, const Tensor& scale, c
     saved.fp8 = true;
     const MoEFp8Options& fc_o = *fc.fp8_options();
     const MoEFp8Options& proj_o = *proj.fp8_options();
-    saved.h_pre = fc.forward_fp8(ctx, moe_fp8_quantize_rows(ctx, x, splits, fc_o.forward_dtype(), fc_o), saved.fc8);
-    MoEFp8Rows h = moe_swiglu_scaled_quantize(ctx, saved.h_pre, saved.scale, splits, proj_o.forward_dtype(), proj_o);
+    saved.h_pre = fc.forward_fp8(
+        ctx, moe_fp8_cast_rows_for(ctx, x, splits, fc_o.forward_dtype(), fc_o, MoEFp8Options::kDelayedInput),
+        saved.fc8);
+    MoEFp8Rows h;
+    if (proj_o.delayed) {
+      // Delayed scaling: one pass (the cast with the state's scale, recording h's amax).
+      Tensor h_amax = proj_o.delayed_amax(MoEFp8Options::kDelayedInput);
+      h = moe_swiglu_scaled_cast(ctx, saved.h_pre, saved.scale, proj_o.delayed_scale(MoEFp8Options::kDelayedInput),
+                                 splits, proj_o.forward_dtype(), &h_amax);
+    } else {
+      h = moe_swiglu_scaled_quantize(ctx, saved.h_pre, saved.scale, splits, proj_o.forward_dtype(), proj_o);
+    }
     return proj.forward_fp8(ctx, std::move(h), saved.proj8);
   }
   saved.fp8 = false;
@@ -143,9 +152,18 @@ Tensor GroupedMLP::backward_input(Context& ctx, const Tensor& dy, Saved& saved) 
   if (saved.fp8) {
     const Tensor d_h = proj.backward_input_fp8(ctx, dy, saved.proj8);
     saved.d_scale = Tensor::empty(saved.scale.shape(), saved.scale.dtype(), ctx.device);
+    const MoEFp8Options& fc_o = *fc.fp8_options();
+    if (fc_o.delayed) {
+      // Delayed scaling: d_h_pre cast in the same pass that computes it and d_scale.
+      Tensor amax = fc_o.delayed_amax(MoEFp8Options::kDelayedGradOutput);
+      MoEFp8Rows d_h_pre = moe_swiglu_scaled_backward_cast(
+          ctx, saved.h_pre, saved.scale, d_h, fc_o.delayed_scale(MoEFp8Options::kDelayedGradOutput), saved.splits,
+          fc_o.gradient_dtype(), saved.d_scale, &amax);
+      saved.h_pre = Tensor();
+      return fc.backward_input_fp8(ctx, std::move(d_h_pre), saved.fc8);
+    }
     if (!moe_swiglu_legacy()) {
       // d_h_pre, fc's dy, straight to FP8 (never stored in BF16; the same codes as below).
-      const MoEFp8Options& fc_o = *fc.fp8_options();
       MoEFp8Rows d_h_pre = moe_swiglu_scaled_backward_quantize(ctx, saved.h_pre, saved.scale, d_h, saved.splits,
                                                                fc_o.gradient_dtype(), fc_o, saved.d_scale);
       saved.h_pre = Tensor();  // nothing reads it again
@@ -184,7 +202,18 @@ void GroupedMLP::backward_weight(Context& ctx, const Tensor& dy, const Saved& sa
 
 void GroupedMLP::use_fp8(std::optional<MoEFp8Options> options) {
   fc.use_fp8(options);
+  if (options && options->delayed)  // proj's slots follow fc's
+    options->delayed_base += MoEFp8Options::delayed_slots(fc.num_experts());
   proj.use_fp8(options);
+}
+
+int64_t GroupedMLP::delayed_slots() const { return 2 * MoEFp8Options::delayed_slots(fc.num_experts()); }
+
+std::vector<fp8::Role> GroupedMLP::delayed_roles() const {
+  std::vector<fp8::Role> roles = MoEFp8Options::delayed_roles(fc.num_experts());
+  const std::vector<fp8::Role> more = MoEFp8Options::delayed_roles(proj.num_experts());
+  roles.insert(roles.end(), more.begin(), more.end());
+  return roles;
 }
 
 bool GroupedMLP::runs_fp8(const Tensor& x) const {

@@ -18,6 +18,7 @@
 #include "backend/cuda/gemm_fp8.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/moe_fp8.h"
+#include "backend/cuda/fp8_scaling.h"
 #include "backend/cuda/moe_weight_cast.h"
 #endif
 
@@ -45,6 +46,22 @@ MoEFp8Options MoEFp8Options::from_recipe(const fp8::Recipe& recipe) {
     o.format = m->format;
   }
   return o;
+}
+
+std::vector<fp8::Role> MoEFp8Options::delayed_roles(int64_t experts) {
+  std::vector<fp8::Role> roles = {fp8::Role::Forward, fp8::Role::Gradient};  // x, dy
+  roles.insert(roles.end(), static_cast<size_t>(experts), fp8::Role::Forward);
+  return roles;
+}
+
+Tensor MoEFp8Options::delayed_scale(int64_t slot) const {
+  TESSERA_CHECK(delayed, "MoEFp8Options: no delayed-scaling state");
+  return delayed->scale(delayed_base + slot);
+}
+
+Tensor MoEFp8Options::delayed_amax(int64_t slot) const {
+  TESSERA_CHECK(delayed, "MoEFp8Options: no delayed-scaling state");
+  return delayed->pending_amax(delayed_base + slot);
 }
 
 std::vector<int64_t> moe_fp8_padded_offsets(const std::vector<int64_t>& splits) {
@@ -86,6 +103,20 @@ Tensor current_scale(Context& ctx, const Tensor& amax_value, DType fp8, const Mo
   Tensor scale = Tensor::empty({1}, DType::F32, ctx.device);
   fp8::scale_from_amax(ctx, amax_value, fp8, o.margin, o.power_of_two_scales, scale);
   return scale;
+}
+
+// target = fold(target, a): delayed scaling's pending-amax rule (NaN sticky, else the max),
+// for the casts that reduce their amax separately (the CPU, and CUDA fallbacks).
+void fold_amax_into(Context& ctx, const Tensor& a, Tensor& target) {
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    cuda::fold_amax(ctx.stream, a, target);
+    return;
+#endif
+  }
+  const float v = a.data<float>()[0];
+  float& t = target.data<float>()[0];
+  t = (std::isnan(v) || std::isnan(t)) ? std::numeric_limits<float>::quiet_NaN() : std::max(t, v);
 }
 
 MoEFp8Rows empty_rows(Context& ctx, int64_t rows, int64_t cols, const std::vector<int64_t>& splits, DType fp8) {
@@ -130,7 +161,7 @@ void check_rows(const MoEFp8Rows& q, int64_t experts, const char* op, const char
 }  // namespace
 
 MoEFp8Rows moe_fp8_cast_rows(Context& ctx, const Tensor& x, const Tensor& scale, const std::vector<int64_t>& splits,
-                             DType fp8) {
+                             DType fp8, Tensor* amax_out) {
   const char* op = "moe_fp8_cast_rows";
   check_matrix(x, op, "x");
   check_float(x, op, "x");
@@ -138,16 +169,27 @@ MoEFp8Rows moe_fp8_cast_rows(Context& ctx, const Tensor& x, const Tensor& scale,
   check_scale1(scale, op, "scale");
   check_splits(splits, static_cast<int64_t>(splits.size()), x.size(0), op);
   check_on_device(ctx, op, {&x, &scale});
+  if (amax_out) {
+    check_scale1(*amax_out, op, "amax_out");
+    check_on_device(ctx, op, {amax_out});
+  }
   MoEFp8Rows q = empty_rows(ctx, x.size(0), x.size(1), splits, fp8);
   q.scale_inv = reciprocal_scale(ctx, scale, op);
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
     if (cuda::moe_fp8_cast_supported(x, static_cast<int64_t>(splits.size()))) {
-      cuda::moe_fp8_cast_rows(ctx.stream, x, scale, splits, q.padded_offsets, q.data, q.data_t);
+      cuda::moe_fp8_cast_rows(ctx.stream, x, scale, splits, q.padded_offsets, q.data, q.data_t, amax_out);
       return q;
     }
 #endif
     fail_no_kernel(op, ctx);
+  }
+  if (amax_out) {
+    // The kept rows only, as the CUDA kernels read (the rows past them hold no codes).
+    const int64_t kept = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+    Tensor a = Tensor::zeros({1}, DType::F32);
+    if (kept > 0) amax(ctx, x.slice(0, 0, kept), a);
+    fold_amax_into(ctx, a, *amax_out);
   }
   quantize_per_tensor(ctx, x, scale, q.data);
   zero_unkept_rows(q.data, splits);
@@ -168,6 +210,16 @@ MoEFp8Rows moe_fp8_quantize_rows(Context& ctx, const Tensor& x, const Tensor& x_
   return moe_fp8_cast_rows(ctx, x, current_scale(ctx, x_amax, fp8, o), splits, fp8);
 }
 
+MoEFp8Rows moe_fp8_cast_rows_for(Context& ctx, const Tensor& x, const std::vector<int64_t>& splits, DType fp8,
+                                 const MoEFp8Options& o, int64_t slot, const Tensor& x_amax) {
+  if (o.delayed) {
+    Tensor a = o.delayed_amax(slot);
+    return moe_fp8_cast_rows(ctx, x, o.delayed_scale(slot), splits, fp8, &a);
+  }
+  return x_amax.defined() ? moe_fp8_quantize_rows(ctx, x, x_amax, splits, fp8, o)
+                          : moe_fp8_quantize_rows(ctx, x, splits, fp8, o);
+}
+
 namespace {
 
 std::atomic<bool>& legacy_weight_cast_flag() {
@@ -185,6 +237,29 @@ void quantize_weights_one_launch(Context& ctx, const Tensor& w, const std::vecto
     if (splits[e] > 0) experts.push_back(static_cast<int64_t>(e));
   if (experts.empty()) return;
   const int64_t a = static_cast<int64_t>(experts.size()), n = w.size(1), k = w.size(2);
+  if (o.delayed) {
+    // One launch: each expert with its state slot's scale, its amax folded into the slot.
+    const int64_t first = o.delayed_base + MoEFp8Options::kDelayedWeight, e_count = w.size(0);
+    const Tensor scales = o.delayed->scales().slice(0, first, first + e_count);
+    Tensor pending = o.delayed->pending_amaxes().slice(0, first, first + e_count);
+    Tensor data = Tensor::empty({a, n, k}, fp8, ctx.device);
+    Tensor data_t = o.keep_weight_transpose ? Tensor::empty({a, k, n}, fp8, ctx.device) : Tensor();
+    cuda::moe_weight_cast(ctx.stream, w, scales, experts, data, data_t, /*by_expert=*/true, &pending);
+    // The GEMMs' inverse scales, copied where cuBLASLt takes them (16-byte aligned).
+    Tensor scale_inv = Tensor::empty({4 * a}, DType::F32, ctx.device);
+    cuda::moe_weight_gather_scales(ctx.stream, o.delayed->scale_invs().slice(0, first, first + e_count), experts,
+                                   scale_inv);
+    for (int64_t i = 0; i < a; ++i) {
+      const int64_t e = experts[static_cast<size_t>(i)];
+      fp8::QuantizedTensor& t = q.experts[static_cast<size_t>(e)];
+      t.dtype = fp8;
+      t.data = data.select(0, i);
+      if (data_t.defined()) t.data_t = data_t.select(0, i);
+      t.scale_inv = scale_inv.slice(0, 4 * i, 4 * i + 1);
+      q.scales[static_cast<size_t>(e)] = o.delayed->scale(first + e);
+    }
+    return;
+  }
   Tensor amax_t = Tensor::empty({a}, DType::F32, ctx.device);
   Tensor scale = Tensor::empty({4 * a}, DType::F32, ctx.device);
   Tensor scale_inv = Tensor::empty({4 * a}, DType::F32, ctx.device);
@@ -214,6 +289,12 @@ MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std:
   const char* op = "moe_fp8_quantize_weights";
   TESSERA_CHECK(w.defined() && w.dim() == 3 && w.is_contiguous(), op, ": w must be a contiguous [E, N, K] tensor");
   check_splits(splits, w.size(0), std::numeric_limits<int64_t>::max(), op);
+  if (o.delayed)
+    TESSERA_CHECK(o.delayed_base >= 0 && o.delayed_base + MoEFp8Options::delayed_slots(w.size(0)) <= o.delayed->size() &&
+                      o.delayed->history().device() == ctx.device,
+                  op, ": the delayed-scaling state has no slots ", o.delayed_base, "..",
+                  o.delayed_base + MoEFp8Options::delayed_slots(w.size(0)) - 1, " on ", ctx.device.to_string(),
+                  " for ", w.size(0), " experts");
   MoEFp8Weights q;
   q.experts.resize(splits.size());
   q.scales.resize(splits.size());
@@ -231,7 +312,15 @@ MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std:
     const Tensor we = w.select(0, static_cast<int64_t>(e));
     Tensor a = Tensor::empty({1}, DType::F32, ctx.device);
     amax(ctx, we, a);
-    q.scales[e] = current_scale(ctx, a, fp8, o);
+    if (o.delayed) {
+      // The state's scale; the amax reduced above goes to the pending slot.
+      const int64_t slot = MoEFp8Options::kDelayedWeight + static_cast<int64_t>(e);
+      Tensor pending = o.delayed_amax(slot);
+      fold_amax_into(ctx, a, pending);
+      q.scales[e] = o.delayed_scale(slot);
+    } else {
+      q.scales[e] = current_scale(ctx, a, fp8, o);
+    }
     q.experts[e] = fp8::quantize_with_transpose(ctx, we, q.scales[e], fp8);
   }
   return q;
@@ -258,20 +347,25 @@ void moe_swiglu_scaled_amax(Context& ctx, const Tensor& x, const Tensor& scale, 
 }
 
 MoEFp8Rows moe_swiglu_scaled_cast(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& fp8_scale,
-                                  const std::vector<int64_t>& splits, DType fp8) {
+                                  const std::vector<int64_t>& splits, DType fp8, Tensor* amax_out) {
   const char* op = "moe_swiglu_scaled_cast";
   const int64_t f = check_swiglu_input(x, scale, op);
   check_fp8_dtype(fp8, op);
   check_scale1(fp8_scale, op, "fp8_scale");
   check_splits(splits, static_cast<int64_t>(splits.size()), x.size(0), op);
   check_on_device(ctx, op, {&x, &scale, &fp8_scale});
+  if (amax_out) {
+    check_scale1(*amax_out, op, "amax_out");
+    check_on_device(ctx, op, {amax_out});
+  }
   MoEFp8Rows q = empty_rows(ctx, x.size(0), f, splits, fp8);
   q.scale_inv = reciprocal_scale(ctx, fp8_scale, op);
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
     if (cuda::moe_fp8_cast_supported(x, static_cast<int64_t>(splits.size())) &&
         cuda::moe_permute_supported({&x}, {&scale})) {
-      cuda::moe_swiglu_scaled_cast(ctx.stream, x, scale, fp8_scale, splits, q.padded_offsets, q.data, q.data_t);
+      cuda::moe_swiglu_scaled_cast(ctx.stream, x, scale, fp8_scale, splits, q.padded_offsets, q.data, q.data_t,
+                                   amax_out);
       return q;
     }
 #endif
@@ -279,6 +373,12 @@ MoEFp8Rows moe_swiglu_scaled_cast(Context& ctx, const Tensor& x, const Tensor& s
   }
   Tensor h = Tensor::empty({x.size(0), f}, DType::F32);
   cpu::moe_swiglu_scaled_forward(x, scale, h);
+  if (amax_out) {
+    const int64_t kept = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+    Tensor a = Tensor::zeros({1}, DType::F32);
+    if (kept > 0) amax(ctx, h.slice(0, 0, kept), a);
+    fold_amax_into(ctx, a, *amax_out);
+  }
   quantize_per_tensor(ctx, h, fp8_scale, q.data);
   zero_unkept_rows(q.data, splits);
   cpu::moe_fp8_transpose_padded(q.data, splits, q.padded_offsets, q.data_t);
@@ -319,6 +419,40 @@ MoEFp8Rows moe_swiglu_scaled_backward_quantize(Context& ctx, const Tensor& x, co
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), ctx.device), a = Tensor::empty({1}, DType::F32, ctx.device);
   moe_swiglu_scaled_backward(ctx, x, scale, dy, dx, d_scale, &a);
   return moe_fp8_quantize_rows(ctx, dx, a, splits, fp8, o);
+}
+
+MoEFp8Rows moe_swiglu_scaled_backward_cast(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy,
+                                           const Tensor& fp8_scale, const std::vector<int64_t>& splits, DType fp8,
+                                           Tensor& d_scale, Tensor* amax_out) {
+  const char* op = "moe_swiglu_scaled_backward_cast";
+  const int64_t f = check_swiglu_input(x, scale, op);
+  check_shaped(dy, {x.size(0), f}, op, "dy");
+  check_shaped(d_scale, {x.size(0)}, op, "d_scale");
+  check_fp8_dtype(fp8, op);
+  check_scale1(fp8_scale, op, "fp8_scale");
+  check_splits(splits, static_cast<int64_t>(splits.size()), x.size(0), op);
+  check_on_device(ctx, op, {&x, &scale, &dy, &d_scale, &fp8_scale});
+  if (amax_out) {
+    check_scale1(*amax_out, op, "amax_out");
+    check_on_device(ctx, op, {amax_out});
+  }
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda() && cuda::moe_swiglu_backward_cast_supported(x, scale, dy, int64_t(splits.size())) &&
+      cuda::moe_permute_supported({&x, &dy}, {&scale, &d_scale})) {
+    MoEFp8Rows q = empty_rows(ctx, x.size(0), x.size(1), splits, fp8);
+    q.scale_inv = reciprocal_scale(ctx, fp8_scale, op);
+    Tensor partial =
+        Tensor::empty({x.size(0), cuda::moe_swiglu_backward_partial_columns(f)}, DType::F32, ctx.device);
+    cuda::moe_swiglu_scaled_backward_cast_fused(ctx.stream, x, scale, dy, fp8_scale, splits, q.padded_offsets, q.data,
+                                                q.data_t, partial, d_scale, amax_out);
+    return q;
+  }
+#endif
+  // The definition: the BF16 dx stored, then the cast, which records the amax of the kept
+  // rows as the fused pass does.
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), ctx.device);
+  moe_swiglu_scaled_backward(ctx, x, scale, dy, dx, d_scale);
+  return moe_fp8_cast_rows(ctx, dx, fp8_scale, splits, fp8, amax_out);
 }
 
 void grouped_linear_forward_fp8(Context& ctx, const MoEFp8Rows& x, const MoEFp8Weights& w, Tensor& y) {

@@ -50,6 +50,7 @@ class DeviceDelayedScaling {
   const Tensor& history() const { return history_; }
   const Tensor& scales() const { return scale_; }
   const Tensor& scale_invs() const { return scale_inv_; }
+  const Tensor& pending_amaxes() const { return pending_; }
   // I64 [1] on the device: the ring slot record folds into.
   const Tensor& position_tensor() const { return position_; }
 

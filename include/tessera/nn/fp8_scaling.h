@@ -100,6 +100,13 @@ class Fp8Scaling {
   void end_micro_batch(Context& ctx);
   void end_step(Context& ctx);
 
+  // Delayed scaling of a model's MoE experts (GroupedMLP::delayed_roles of every MoE layer,
+  // one after another): a second DeviceDelayedScaling with the recipe's config, made once,
+  // then recorded and updated with the linears' state by end_micro_batch / end_step and kept
+  // in the checkpoint under "fp8.experts." (a checkpoint without those tensors, from before
+  // the experts had delayed scales, leaves the fresh state). Null for the other recipes.
+  std::shared_ptr<fp8::DeviceDelayedScaling> make_expert_state(Context& ctx, std::vector<fp8::Role> roles);
+  const std::shared_ptr<fp8::DeviceDelayedScaling>& expert_state() const { return expert_delayed_; }
   // Delayed scaling's state, for checkpoints (empty for current, block and mxfp8: no history).
   std::map<std::string, Tensor> state_dict() const;
   void load_state_dict(Context& ctx, const std::map<std::string, Tensor>& tensors);
@@ -112,6 +119,7 @@ class Fp8Scaling {
   fp8::Format format_ = fp8::Format::Hybrid;
   int64_t num_linears_;
   std::optional<fp8::DeviceDelayedScaling> delayed_;
+  std::shared_ptr<fp8::DeviceDelayedScaling> expert_delayed_;
   float margin_ = 0;
   bool power_of_two_ = false;
   bool keep_weight_transpose_ = false;

@@ -94,7 +94,11 @@ class GroupedMLP {
   void parameters(ParameterList& out);
 
   // FP8 for both GEMM layers (and the fused SwiGLU -> FP8 cast between them); empty: off.
+  // Under delayed scaling (options->delayed) fc takes the slots from options->delayed_base
+  // on and proj the ones after them: delayed_slots() in all, with delayed_roles().
   void use_fp8(std::optional<MoEFp8Options> options);
+  int64_t delayed_slots() const;
+  std::vector<fp8::Role> delayed_roles() const;
   bool runs_fp8(const Tensor& x) const;
 
   GroupedLinear fc, proj;

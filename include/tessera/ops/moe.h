@@ -24,10 +24,12 @@
 // - Compute type: double when the main input is F64, float otherwise (as every op).
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "tessera/core/context.h"
 #include "tessera/core/tensor.h"
+#include "tessera/fp8/device_scaling.h"
 #include "tessera/fp8/quantized_tensor.h"
 #include "tessera/fp8/recipe.h"
 
@@ -168,8 +170,27 @@ struct MoEFp8Options {
   // fp8.keep_weight_transpose (fp8/recipe.h): keep each expert's W^T codes from forward to
   // backward (nn::GroupedLinear); off, they are re-cast in backward with the kept scales.
   bool keep_weight_transpose = false;
-  // From a recipe: "current" as given; other recipes fall back to current scaling with
-  // their format (and margin), since per-expert delayed or block scales are not wired.
+  // Delayed scaling (the "delayed" recipe, Transformer Engine's default): every cast reads
+  // its scale from this state, which earlier steps' amaxes made, and records the amax of
+  // what it cast into the state's pending slot IN THE SAME PASS, so no cast waits for an
+  // amax pass over its input (the SwiGLU backward becomes one pass instead of two). Null:
+  // current scaling. One GroupedLinear takes delayed_slots(E) slots from delayed_base on:
+  // kDelayedInput (x), kDelayedGradOutput (dy), kDelayedWeight + e (expert e's weight);
+  // GroupedMLP::use_fp8 gives proj the slots after fc's. The owner of the state runs its
+  // record / update (nn::Fp8Scaling::end_micro_batch / end_step for a model).
+  std::shared_ptr<fp8::DeviceDelayedScaling> delayed;
+  int64_t delayed_base = 0;
+  static constexpr int64_t kDelayedInput = 0, kDelayedGradOutput = 1, kDelayedWeight = 2;
+  static int64_t delayed_slots(int64_t experts) { return kDelayedWeight + experts; }
+  // The roles of one GroupedLinear's slots, in order (for DeviceDelayedScaling's constructor).
+  static std::vector<fp8::Role> delayed_roles(int64_t experts);
+  // The state's scale and pending-amax views (F32 [1]) of slot delayed_base + slot.
+  Tensor delayed_scale(int64_t slot) const;
+  Tensor delayed_amax(int64_t slot) const;
+
+  // From a recipe: "current" and "delayed" with their format and margin (delayed then needs
+  // `delayed` set: models::enable_fp8 makes the state); block and mxfp8 fall back to current
+  // scaling with their format, since per-expert block scales are not wired.
   static MoEFp8Options from_recipe(const fp8::Recipe& recipe);
   DType forward_dtype() const { return fp8::fp8_dtype(format, fp8::Role::Forward); }
   DType gradient_dtype() const { return fp8::fp8_dtype(format, fp8::Role::Gradient); }
@@ -208,12 +229,23 @@ MoEFp8Rows moe_fp8_quantize_rows(Context& ctx, const Tensor& x, const std::vecto
 // The same with x's amax (F32 [1]) already known (e.g. from moe_swiglu_scaled_backward).
 MoEFp8Rows moe_fp8_quantize_rows(Context& ctx, const Tensor& x, const Tensor& x_amax,
                                  const std::vector<int64_t>& split_sizes, DType fp8, const MoEFp8Options& options);
-// The same cast with a given scale (F32 [1] on ctx.device): the building block, for tests.
+// The same cast with a given scale (F32 [1] on ctx.device): delayed scaling's cast, and the
+// building block of the above. amax_out (F32 [1]), when given, receives max |x| folded in as
+// DeviceDelayedScaling's pending amax is (NaN sticky, else the max; not reset first), from
+// the cast's own read of x on CUDA.
 MoEFp8Rows moe_fp8_cast_rows(Context& ctx, const Tensor& x, const Tensor& scale, const std::vector<int64_t>& split_sizes,
-                             DType fp8);
+                             DType fp8, Tensor* amax_out = nullptr);
+// Casts x [M, K] for a GroupedLinear's slot (kDelayedInput or kDelayedGradOutput) as options
+// say: delayed, moe_fp8_cast_rows with the slot's scale recording its amax; current,
+// moe_fp8_quantize_rows (with x_amax when given).
+MoEFp8Rows moe_fp8_cast_rows_for(Context& ctx, const Tensor& x, const std::vector<int64_t>& split_sizes, DType fp8,
+                                 const MoEFp8Options& options, int64_t slot, const Tensor& x_amax = Tensor());
 // w [E, N, K]: experts with split_sizes[e] > 0 cast with their own current scale. On CUDA
 // three launches in all (every amax, every scale, every cast; backend/cuda/moe_weight_cast.cu)
-// where supported, else three per expert; the bytes are the same.
+// where supported, else three per expert; the bytes are the same. Under delayed scaling
+// (options.delayed) expert e is cast with slot kDelayedWeight + e's scale and its amax
+// recorded there, in one launch on CUDA; scales[e] is a view of the state, scale_inv a copy
+// of the state's (on CUDA 16-byte aligned, for cuBLASLt).
 MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std::vector<int64_t>& split_sizes,
                                        const MoEFp8Options& options);
 // Whether moe_fp8_quantize_weights takes the per-expert loop on CUDA too (process-wide; the
@@ -230,8 +262,9 @@ MoEFp8Rows moe_swiglu_scaled_quantize(Context& ctx, const Tensor& x, const Tenso
                                       const std::vector<int64_t>& split_sizes, DType fp8, const MoEFp8Options& options);
 // amax_out F32 [1] = max |h| (NaN if any h is NaN).
 void moe_swiglu_scaled_amax(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& amax_out);
+// amax_out as moe_fp8_cast_rows's: max |h| folded in from the cast's own pass.
 MoEFp8Rows moe_swiglu_scaled_cast(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& fp8_scale,
-                                  const std::vector<int64_t>& split_sizes, DType fp8);
+                                  const std::vector<int64_t>& split_sizes, DType fp8, Tensor* amax_out = nullptr);
 
 // The scaled SwiGLU backward straight to FP8: d_scale [M] (OVERWRITTEN) and dx [M, 2F] cast
 // with current scaling, with exactly the codes and scale of moe_swiglu_scaled_backward into
@@ -242,6 +275,14 @@ MoEFp8Rows moe_swiglu_scaled_cast(Context& ctx, const Tensor& x, const Tensor& s
 MoEFp8Rows moe_swiglu_scaled_backward_quantize(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy,
                                                const std::vector<int64_t>& split_sizes, DType fp8,
                                                const MoEFp8Options& options, Tensor& d_scale);
+// The same with the FP8 scale given (delayed scaling): ONE pass over x and dy on CUDA (the
+// cases above), which writes d_scale (from per-tile partial sums, reduced in a fixed order:
+// deterministic, though not the bits of the two-pass form's sums), the codes of BF16(dx) and
+// folds max |BF16(dx)| into amax_out (when given). Elsewhere: the BF16 dx stored, its amax
+// folded in, then moe_fp8_cast_rows.
+MoEFp8Rows moe_swiglu_scaled_backward_cast(Context& ctx, const Tensor& x, const Tensor& scale, const Tensor& dy,
+                                           const Tensor& fp8_scale, const std::vector<int64_t>& split_sizes, DType fp8,
+                                           Tensor& d_scale, Tensor* amax_out = nullptr);
 
 // The FP8 grouped GEMMs, per expert fp8_gemm (cuBLASLt on CUDA, the dequantized reference
 // on the CPU); the same row conventions as the BF16 ones:

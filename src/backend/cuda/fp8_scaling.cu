@@ -71,7 +71,14 @@ __global__ void scale_from_amax_kernel(const float* amax, float fp8_max, float m
 
 int blocks_for(int64_t n) { return static_cast<int>((n + kThreads - 1) / kThreads); }
 
+__global__ void fold_amax_kernel(const float* amax, float* target) { *target = fold_amax(*target, *amax); }
+
 }  // namespace
+
+void fold_amax(void* stream, const Tensor& amax, Tensor& target) {
+  fold_amax_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(amax.data<float>(), target.data<float>());
+  TESSERA_CUDA_CHECK(cudaGetLastError());
+}
 
 void delayed_scaling_record(void* stream, Tensor& history, Tensor& pending, const Tensor& position) {
   const int64_t n = history.size(0), len = history.size(1);

@@ -22,4 +22,8 @@ void delayed_scaling_update(void* stream, Tensor& history, Tensor& pending, Tens
 // scale[0] = fp8_scale_for_amax(amax[0], fp8_max, margin, power_of_two) (one thread).
 void scale_from_amax(void* stream, const Tensor& amax, float fp8_max, float margin, bool power_of_two, Tensor& scale);
 
+// target[0] = fold(target[0], amax[0]) (NaN sticky, else the max; both F32 [1], >= 0 or NaN):
+// a pending amax that several casts of one tensor add to (one thread).
+void fold_amax(void* stream, const Tensor& amax, Tensor& target);
+
 }  // namespace tessera::cuda

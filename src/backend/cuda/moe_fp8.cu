@@ -11,6 +11,9 @@
 // the host's in rare elements, so a code of the SwiGLU cast can differ from the CPU one by a
 // rounding step in a rare element (the tests allow 1e-4 of the codes); the plain cast is exact.
 //
+// Delayed scaling passes an amax slot: both kernels fold max |value cast| into it (per-thread
+// max, then one atomic per block), so the cast needs no amax pass before it.
+//
 // Layout: x, data, data_t contiguous; data rows past the split sum are zero codes (a
 // memset; no GEMM reads them). Two kernels:
 //  - vector (BF16, width % 8, aligned; the FP8 layers' case): tiles of 64 PADDED columns x
@@ -73,17 +76,21 @@ __device__ __forceinline__ float value(const T* x, AnyPtr prob, int64_t r, int64
 template <typename T, bool kSwiglu, bool kE4M3>
 __global__ void __launch_bounds__(kThreads)
     cast_padded_scalar_kernel(const T* x, AnyPtr prob, const float* scale, uint8_t* q, uint8_t* q_t, int64_t rows,
-                              int64_t cols, int64_t width, ExpertTable table, int64_t tiles_across, int64_t tiles) {
+                              int64_t cols, int64_t width, ExpertTable table, int64_t tiles_across, int64_t tiles,
+                              uint32_t* amax_bits) {
   __shared__ uint8_t tile[kTile][kTile + 1];
   const float s = *scale;
   const int tx = threadIdx.x, ty = threadIdx.y;
+  uint32_t m = 0;  // max |value| cast, for delayed scaling's amax (amax_bits null: unused)
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t r0 = (t / tiles_across) * kTile, c0 = (t % tiles_across) * kTile;
 #pragma unroll
     for (int i = 0; i < kTile; i += 8) {
       const int64_t r = r0 + ty + i, c = c0 + tx;
       if (r >= rows || c >= cols) continue;
-      const uint8_t code = fp8cvt::encode_scaled<kE4M3>(value<T, kSwiglu>(x, prob, r, c, cols), s);
+      const float v = value<T, kSwiglu>(x, prob, r, c, cols);
+      m = max(m, fp8cvt::abs_bits(v));
+      const uint8_t code = fp8cvt::encode_scaled<kE4M3>(v, s);
       q[r * cols + c] = code;
       tile[ty + i][tx] = code;
     }
@@ -96,6 +103,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // the tile is rewritten by the next iteration
   }
+  if (amax_bits) fp8cvt::block_atomic_max(m, amax_bits);
 }
 
 // BF16, cols % 8 == 0, x 16-byte and q 8-byte aligned. Tiles of 64 padded columns x 64
@@ -107,9 +115,11 @@ __global__ void __launch_bounds__(kThreads)
 template <bool kSwiglu, bool kE4M3>
 __global__ void __launch_bounds__(kThreads)
     cast_padded_vector_kernel(const uint16_t* x, AnyPtr prob, const float* scale, uint8_t* q, uint8_t* q_t,
-                              int64_t cols, int64_t width, ExpertTable table, int64_t tiles_across, int64_t tiles) {
+                              int64_t cols, int64_t width, ExpertTable table, int64_t tiles_across, int64_t tiles,
+                              uint32_t* amax_bits) {
   __shared__ __align__(16) CodeTile tile;
   const float s = *scale;
+  uint32_t m = 0;  // max |value| cast, for delayed scaling's amax (amax_bits null: unused)
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t p0 = (t / tiles_across) * kVTile, c0 = (t % tiles_across) * kVTile;
     uint4 raw[2], up[2];
@@ -143,6 +153,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int i = 0; i < 8; ++i) f[i] = swiglu(f[i], u[i], sc);
         }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = max(m, fp8cvt::abs_bits(f[i]));
         fp8cvt::quantize_words<kE4M3, 8>(f, s, words);
         *reinterpret_cast<uint2*>(q + src[k] * cols + c) = make_uint2(words[0], words[1]);
       }
@@ -154,6 +166,7 @@ __global__ void __launch_bounds__(kThreads)
     store_tile_transposed(tile, q_t, c0, p0, cols, width);
     __syncthreads();  // the tile is rewritten by the next iteration
   }
+  if (amax_bits) fp8cvt::block_atomic_max(m, amax_bits);
 }
 
 template <typename T>
@@ -197,7 +210,9 @@ void zero_padding(cudaStream_t s, const std::vector<int64_t>& splits, const std:
 
 template <bool kSwiglu>
 void launch_cast(cudaStream_t s, const Tensor& x, const Tensor& prob, const Tensor& scale,
-                 const std::vector<int64_t>& splits, const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t) {
+                 const std::vector<int64_t>& splits, const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t,
+                 Tensor* amax) {
+  uint32_t* amax_bits = amax ? amax->data<uint32_t>() : nullptr;
   const int64_t cols = data.size(1), width = data_t.size(1);
   const int64_t kept = zero_rows_past_splits(s, splits, data);
   if (kept == 0 || cols == 0) return;
@@ -212,11 +227,11 @@ void launch_cast(cudaStream_t s, const Tensor& x, const Tensor& prob, const Tens
     if (e4m3)
       cast_padded_vector_kernel<kSwiglu, true><<<blocks, kThreads, 0, s>>>(
           xp, any_ptr(prob), scale.data<float>(), data.data<uint8_t>(), data_t.data<uint8_t>(), cols, width, table,
-          across, tiles);
+          across, tiles, amax_bits);
     else
       cast_padded_vector_kernel<kSwiglu, false><<<blocks, kThreads, 0, s>>>(
           xp, any_ptr(prob), scale.data<float>(), data.data<uint8_t>(), data_t.data<uint8_t>(), cols, width, table,
-          across, tiles);
+          across, tiles, amax_bits);
     TESSERA_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -229,11 +244,11 @@ void launch_cast(cudaStream_t s, const Tensor& x, const Tensor& prob, const Tens
     if (e4m3)
       cast_padded_scalar_kernel<T, kSwiglu, true><<<blocks, dim3(kTile, 8), 0, s>>>(
           xp, any_ptr(prob), scale.data<float>(), data.data<uint8_t>(), data_t.data<uint8_t>(), kept, cols, width,
-          table, across, tiles);
+          table, across, tiles, amax_bits);
     else
       cast_padded_scalar_kernel<T, kSwiglu, false><<<blocks, dim3(kTile, 8), 0, s>>>(
           xp, any_ptr(prob), scale.data<float>(), data.data<uint8_t>(), data_t.data<uint8_t>(), kept, cols, width,
-          table, across, tiles);
+          table, across, tiles, amax_bits);
   };
   if (x.dtype() == DType::F32) run(static_cast<float*>(nullptr));
   else run(static_cast<uint16_t*>(nullptr));
@@ -248,14 +263,14 @@ bool moe_fp8_cast_supported(const Tensor& x, int64_t experts) {
 }
 
 void moe_fp8_cast_rows(void* stream, const Tensor& x, const Tensor& scale, const std::vector<int64_t>& splits,
-                       const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t) {
-  launch_cast<false>(static_cast<cudaStream_t>(stream), x, Tensor(), scale, splits, padded, data, data_t);
+                       const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t, Tensor* amax) {
+  launch_cast<false>(static_cast<cudaStream_t>(stream), x, Tensor(), scale, splits, padded, data, data_t, amax);
 }
 
 void moe_swiglu_scaled_cast(void* stream, const Tensor& x, const Tensor& prob, const Tensor& scale,
                             const std::vector<int64_t>& splits, const std::vector<int64_t>& padded, Tensor& data,
-                            Tensor& data_t) {
-  launch_cast<true>(static_cast<cudaStream_t>(stream), x, prob, scale, splits, padded, data, data_t);
+                            Tensor& data_t, Tensor* amax) {
+  launch_cast<true>(static_cast<cudaStream_t>(stream), x, prob, scale, splits, padded, data, data_t, amax);
 }
 
 void moe_swiglu_scaled_amax(void* stream, const Tensor& x, const Tensor& prob, Tensor& amax) {

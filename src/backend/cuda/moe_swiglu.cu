@@ -218,13 +218,18 @@ __global__ void __launch_bounds__(kThreads)
 // and dy vectors of two (padded position, 8 features) pieces, computes the gate and the up
 // halves of dx there, stores their codes row-wise (columns c and F + c of data) and into two
 // shared tiles, which then become 16-byte pieces of data_t rows c and F + c.
-template <bool kE4M3>
+//
+// kFused (delayed scaling's one pass): also d_prob's partial sum of each (kept row, 64-feature
+// tile), into partial [M, tiles_across] (the 8 threads of a row piece add their 8 features in
+// order, then a fixed shuffle tree), and max |BF16(dx)| into amax_bits when given.
+template <bool kE4M3, bool kFused>
 __global__ void __launch_bounds__(kThreads)
     swiglu_backward_cast_kernel(const uint16_t* x, AnyPtr prob, const uint16_t* dy, const float* scale, uint8_t* q,
                                 uint8_t* q_t, int64_t half, int64_t width, ExpertTable table, int64_t tiles_across,
-                                int64_t tiles) {
+                                int64_t tiles, float* partial, uint32_t* amax_bits) {
   __shared__ __align__(16) CodeTile tile[2];  // gate half, up half
   const float s = *scale;
+  uint32_t m = 0;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t p0 = (t / tiles_across) * kVTile, c0 = (t % tiles_across) * kVTile;
     uint4 g[2], u[2], d[2];
@@ -243,6 +248,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < 2; ++k) {
       const int id = int(threadIdx.x) + k * kThreads, pl = id / 8, v = id % 8;
       uint32_t wg[2] = {0, 0}, wu[2] = {0, 0};  // padding positions: zero codes
+      float dot = 0;
       if (src[k] >= 0) {
         float gf[8], uf[8], df[8];
         unpack8(g[k], gf);
@@ -253,8 +259,10 @@ __global__ void __launch_bounds__(kThreads)
         for (int i = 0; i < 8; ++i) {
           float dg, du, h;
           swiglu_backward(gf[i], uf[i], df[i], sc, dg, du, h);
+          dot += df[i] * h;
           gf[i] = round_bf16(dg);  // what a BF16 dx would hold
           uf[i] = round_bf16(du);
+          if constexpr (kFused) m = max(m, max(fp8cvt::abs_bits(gf[i]), fp8cvt::abs_bits(uf[i])));
         }
         fp8cvt::quantize_words<kE4M3, 8>(gf, s, wg);
         fp8cvt::quantize_words<kE4M3, 8>(uf, s, wu);
@@ -268,12 +276,48 @@ __global__ void __launch_bounds__(kThreads)
       rg[1] = wg[1];
       ru[0] = wu[0];
       ru[1] = wu[1];
+      if constexpr (kFused) {
+        // The 8 neighbouring lanes of this row piece (v = 0..7); every lane takes part.
+#pragma unroll
+        for (int offset = 4; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        if (v == 0 && src[k] >= 0) partial[src[k] * tiles_across + c0 / kVTile] = dot;
+      }
     }
     __syncthreads();
     store_tile_transposed(tile[0], q_t, c0, p0, half, width);
     store_tile_transposed(tile[1], q_t + half * width, c0, p0, half, width);
     __syncthreads();  // the tiles are rewritten by the next iteration
   }
+  if constexpr (kFused)
+    if (amax_bits) fp8cvt::block_atomic_max(m, amax_bits);
+}
+
+// d_prob[r] of the fused pass: one warp per row; kept rows add their tiles' partial sums in
+// a fixed order (lane-strided, then a shuffle tree), rows past the split sum (if any) their
+// whole dot from x and dy.
+__global__ void __launch_bounds__(kThreads)
+    swiglu_backward_prob_kernel(const uint16_t* x, AnyPtr prob, const uint16_t* dy, const float* partial,
+                                AnyPtr d_prob, int64_t rows, int64_t kept, int64_t half, int64_t tiles_across) {
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  if (r >= rows) return;
+  float sum = 0;
+  if (r < kept) {
+    for (int64_t j = lane; j < tiles_across; j += 32) sum += partial[r * tiles_across + j];
+  } else {
+    const float sc = prob.load(r);
+    for (int64_t c = lane; c < half; c += 32) {
+      const float g = __uint_as_float(uint32_t(x[r * 2 * half + c]) << 16);
+      const float u = __uint_as_float(uint32_t(x[r * 2 * half + half + c]) << 16);
+      const float d0 = __uint_as_float(uint32_t(dy[r * half + c]) << 16);
+      float dg, du, h;
+      swiglu_backward(g, u, d0, sc, dg, du, h);
+      sum += d0 * h;
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) d_prob.store(r, sum);
 }
 
 // ---- Host side ------------------------------------------------------------------------------
@@ -387,13 +431,47 @@ void moe_swiglu_scaled_backward_cast(void* stream, const Tensor& x, const Tensor
   const auto* xp = static_cast<const uint16_t*>(x.raw_data());
   const auto* dyp = static_cast<const uint16_t*>(dy.raw_data());
   if (data.dtype() == DType::E4M3)
-    swiglu_backward_cast_kernel<true><<<blocks, kThreads, 0, s>>>(xp, any_ptr(scale), dyp, fp8_scale.data<float>(),
-                                                                 data.data<uint8_t>(), data_t.data<uint8_t>(), half,
-                                                                 width, table, across, tiles);
+    swiglu_backward_cast_kernel<true, false><<<blocks, kThreads, 0, s>>>(
+        xp, any_ptr(scale), dyp, fp8_scale.data<float>(), data.data<uint8_t>(), data_t.data<uint8_t>(), half, width,
+        table, across, tiles, nullptr, nullptr);
   else
-    swiglu_backward_cast_kernel<false><<<blocks, kThreads, 0, s>>>(xp, any_ptr(scale), dyp, fp8_scale.data<float>(),
-                                                                  data.data<uint8_t>(), data_t.data<uint8_t>(), half,
-                                                                  width, table, across, tiles);
+    swiglu_backward_cast_kernel<false, false><<<blocks, kThreads, 0, s>>>(
+        xp, any_ptr(scale), dyp, fp8_scale.data<float>(), data.data<uint8_t>(), data_t.data<uint8_t>(), half, width,
+        table, across, tiles, nullptr, nullptr);
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
+
+int64_t moe_swiglu_backward_partial_columns(int64_t half) { return (half + kVTile - 1) / kVTile; }
+
+void moe_swiglu_scaled_backward_cast_fused(void* stream, const Tensor& x, const Tensor& scale, const Tensor& dy,
+                                           const Tensor& fp8_scale, const std::vector<int64_t>& splits,
+                                           const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t,
+                                           Tensor& partial, Tensor& d_prob, Tensor* amax) {
+  auto s = static_cast<cudaStream_t>(stream);
+  const int64_t rows = x.size(0), cols = data.size(1), half = cols / 2, width = data_t.size(1);
+  const int64_t kept = zero_rows_past_splits(s, splits, data);
+  const int64_t across = moe_swiglu_backward_partial_columns(half);
+  const auto* xp = static_cast<const uint16_t*>(x.raw_data());
+  const auto* dyp = static_cast<const uint16_t*>(dy.raw_data());
+  if (kept > 0 && half > 0) {
+    const ExpertTable table = make_table(splits, padded);
+    const int64_t tiles = (width + kVTile - 1) / kVTile * across;
+    const unsigned blocks = unsigned(std::min(tiles, kMaxBlocks));
+    uint32_t* amax_bits = amax ? amax->data<uint32_t>() : nullptr;
+    if (data.dtype() == DType::E4M3)
+      swiglu_backward_cast_kernel<true, true><<<blocks, kThreads, 0, s>>>(
+          xp, any_ptr(scale), dyp, fp8_scale.data<float>(), data.data<uint8_t>(), data_t.data<uint8_t>(), half,
+          width, table, across, tiles, partial.data<float>(), amax_bits);
+    else
+      swiglu_backward_cast_kernel<false, true><<<blocks, kThreads, 0, s>>>(
+          xp, any_ptr(scale), dyp, fp8_scale.data<float>(), data.data<uint8_t>(), data_t.data<uint8_t>(), half,
+          width, table, across, tiles, partial.data<float>(), amax_bits);
+    TESSERA_CUDA_CHECK_LAUNCH();
+  }
+  if (rows == 0) return;
+  const int64_t warps_per_block = kThreads / 32;
+  swiglu_backward_prob_kernel<<<unsigned((rows + warps_per_block - 1) / warps_per_block), kThreads, 0, s>>>(
+      xp, any_ptr(scale), dyp, partial.data<float>(), any_ptr(d_prob), rows, kept, half, across);
   TESSERA_CUDA_CHECK_LAUNCH();
 }
 

@@ -55,6 +55,18 @@ struct ExpertList {
   int32_t id[kMoeWeightCastMaxExperts];
 };
 
+// Where the cast of list slot i finds its scale and puts its amax: current scaling's compact
+// scales scale[4 i] and no amax; delayed scaling's state, scale[id] and amax[id] (id the
+// expert's index in w), the amax folded from the cast's own read.
+struct ScaleSlots {
+  const float* scale;
+  uint32_t* amax_bits;  // null: no amax
+  bool by_expert;
+  __device__ __forceinline__ int key(const ExpertList& list, int64_t slot) const {
+    return by_expert ? list.id[slot] : 4 * int(slot);
+  }
+};
+
 __global__ void __launch_bounds__(kThreads, kStreamBlocksPerSm)
     weight_amax_kernel(const uint4* w, int64_t vecs, ExpertList list, uint32_t* amax_bits) {
   const int slot = blockIdx.y;
@@ -87,14 +99,19 @@ __global__ void weight_scales_kernel(const float* amax, int n, float fp8_max, fl
   }
 }
 
+__global__ void gather_scales_kernel(const float* from, int n, ExpertList list, float* scale_inv) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) scale_inv[4 * i] = from[list.id[i]];
+}
+
 template <bool kE4M3>
 __global__ void __launch_bounds__(kThreads, kStreamBlocksPerSm)
-    weight_cast_kernel(const uint4* w, const float* scale, uint2* q, int64_t vecs, ExpertList list) {
+    weight_cast_kernel(const uint4* w, ScaleSlots scales, uint2* q, int64_t vecs, ExpertList list) {
   const int slot = blockIdx.y;
   const uint4* src = w + int64_t(list.id[slot]) * vecs;
   uint2* dst = q + int64_t(slot) * vecs;
-  const float s = scale[4 * slot];
+  const float s = scales.scale[scales.key(list, slot)];
   const int64_t stride = int64_t(gridDim.x) * kThreads;
+  uint32_t m = 0;
   for (int64_t v = blockIdx.x * int64_t(kThreads) + threadIdx.x; v < vecs; v += kUnroll * stride) {
     uint4 raw[kUnroll];
 #pragma unroll
@@ -105,11 +122,16 @@ __global__ void __launch_bounds__(kThreads, kStreamBlocksPerSm)
       if (v + k * stride >= vecs) break;
       float f[kVec];
       vec::unpack16<uint16_t>(raw[k], f);
+      if (scales.amax_bits) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) m = max(m, fp8cvt::abs_bits(f[i]));
+      }
       uint32_t words[2];
       fp8cvt::quantize_words<kE4M3, kVec>(f, s, words);
       dst[v + k * stride] = make_uint2(words[0], words[1]);
     }
   }
+  if (scales.amax_bits) fp8cvt::block_atomic_max(m, scales.amax_bits + list.id[slot]);
 }
 
 // Tile t of the grid's loop is tile (t % per_expert) of slot t / per_expert; within an
@@ -117,19 +139,27 @@ __global__ void __launch_bounds__(kThreads, kStreamBlocksPerSm)
 // 4 loads a thread.
 template <bool kE4M3>
 __global__ void __launch_bounds__(kThreads, kTileBlocksPerSm)
-    weight_cast_transpose_kernel(const uint16_t* w, const float* scale, uint8_t* q, uint8_t* q_t, int64_t rows,
+    weight_cast_transpose_kernel(const uint16_t* w, ScaleSlots scales, uint8_t* q, uint8_t* q_t, int64_t rows,
                                  int64_t cols, int64_t tiles_across, int64_t per_expert, int64_t tiles,
                                  ExpertList list) {
   constexpr int VPR = kTileCols / kVec;               // loads per tile row
   constexpr int LOADS = kTileRows * VPR / kThreads;   // loads per thread per tile
   __shared__ uint32_t tile[kTileRows][kTileWords];
   const int64_t size = rows * cols;
+  // The amax of the expert this block is on: flushed when the (block-uniform) expert changes.
+  uint32_t m = 0;
+  int64_t amax_slot = -1;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t slot = t / per_expert, local = t % per_expert;
+    if (scales.amax_bits && slot != amax_slot) {
+      if (amax_slot >= 0) fp8cvt::block_atomic_max(m, scales.amax_bits + list.id[amax_slot]);
+      m = 0;
+      amax_slot = slot;
+    }
     const int64_t r0 = (local / tiles_across) * kTileRows, c0 = (local % tiles_across) * kTileCols;
     const uint16_t* x = w + int64_t(list.id[slot]) * size;
     uint8_t* qe = q + slot * size;
-    const float s = scale[4 * slot];
+    const float s = scales.scale[scales.key(list, slot)];
     uint4 raw[LOADS];
 #pragma unroll
     for (int k = 0; k < LOADS; ++k) {
@@ -144,6 +174,10 @@ __global__ void __launch_bounds__(kThreads, kTileBlocksPerSm)
       if (r >= rows || c >= cols) continue;
       float f[kVec];
       vec::unpack16<uint16_t>(raw[k], f);
+      if (scales.amax_bits) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) m = max(m, fp8cvt::abs_bits(f[i]));
+      }
       uint32_t words[2];
       fp8cvt::quantize_words<kE4M3, kVec>(f, s, words);
       *reinterpret_cast<uint2*>(qe + r * cols + c) = make_uint2(words[0], words[1]);
@@ -154,6 +188,7 @@ __global__ void __launch_bounds__(kThreads, kTileBlocksPerSm)
     code_tile::store_transposed(tile, q_t + slot * size, rows, r0, c0, cols);  // K % 4 == 0, N % 8 == 0
     __syncthreads();  // the tile is rewritten by the next iteration
   }
+  if (scales.amax_bits && amax_slot >= 0) fp8cvt::block_atomic_max(m, scales.amax_bits + list.id[amax_slot]);
 }
 
 ExpertList make_list(const std::vector<int64_t>& experts) {
@@ -204,9 +239,10 @@ void moe_weight_scales(void* stream, const Tensor& amax, float fp8_max, float ma
 }
 
 void moe_weight_cast(void* stream, const Tensor& w, const Tensor& scale, const std::vector<int64_t>& experts,
-                     Tensor& data, Tensor& data_t) {
+                     Tensor& data, Tensor& data_t, bool by_expert, Tensor* amax) {
   auto s = static_cast<cudaStream_t>(stream);
   const ExpertList list = make_list(experts);
+  const ScaleSlots scales{scale.data<float>(), amax ? amax->data<uint32_t>() : nullptr, by_expert};
   const int64_t rows = w.size(1), cols = w.size(2);
   if (rows == 0 || cols == 0) return;
   const bool e4m3 = data.dtype() == DType::E4M3;
@@ -215,19 +251,27 @@ void moe_weight_cast(void* stream, const Tensor& w, const Tensor& scale, const s
     if (!data_t.defined()) {
       const int64_t vecs = rows * cols / kVec;
       weight_cast_kernel<kE4M3><<<stream_grid(w, vecs, experts.size()), kThreads, 0, s>>>(
-          static_cast<const uint4*>(w.raw_data()), scale.data<float>(), static_cast<uint2*>(data.raw_data()), vecs,
-          list);
+          static_cast<const uint4*>(w.raw_data()), scales, static_cast<uint2*>(data.raw_data()), vecs, list);
       return;
     }
     const int64_t down = (rows + kTileRows - 1) / kTileRows, across = (cols + kTileCols - 1) / kTileCols;
     const int64_t per_expert = down * across, tiles = per_expert * static_cast<int64_t>(experts.size());
     const int64_t wave = int64_t(multiprocessor_count(w.device().index)) * kTileBlocksPerSm;
     weight_cast_transpose_kernel<kE4M3><<<unsigned(std::min(tiles, wave)), kThreads, 0, s>>>(
-        static_cast<const uint16_t*>(w.raw_data()), scale.data<float>(), data.data<uint8_t>(),
+        static_cast<const uint16_t*>(w.raw_data()), scales, data.data<uint8_t>(),
         data_t.data<uint8_t>(), rows, cols, across, per_expert, tiles, list);
   };
   if (e4m3) launch(std::true_type{});
   else launch(std::false_type{});
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
+
+void moe_weight_gather_scales(void* stream, const Tensor& from, const std::vector<int64_t>& experts,
+                              Tensor& scale_inv) {
+  const ExpertList list = make_list(experts);
+  const int n = static_cast<int>(experts.size());
+  gather_scales_kernel<<<1, std::min(1024, (n + 31) / 32 * 32), 0, static_cast<cudaStream_t>(stream)>>>(
+      from.data<float>(), n, list, scale_inv.data<float>());
   TESSERA_CUDA_CHECK_LAUNCH();
 }
 

@@ -32,7 +32,16 @@ void moe_weight_scales(void* stream, const Tensor& amax, float fp8_max, float ma
 
 // data[i] = fp8(w[experts[i]] * scale[4i]) (E4M3 or E5M2, data's dtype) and, when data_t is
 // defined, data_t[i] = data[i] transposed, from the same read of w.
+// by_expert (delayed scaling, whose state holds a scale per expert): scale[experts[i]]
+// instead, and max |w[experts[i]]| folded into amax[experts[i]] (F32 [E]; atomic max on the
+// bits, NaN sticky, not reset) by the cast's own read of w.
 void moe_weight_cast(void* stream, const Tensor& w, const Tensor& scale, const std::vector<int64_t>& experts,
-                     Tensor& data, Tensor& data_t);
+                     Tensor& data, Tensor& data_t, bool by_expert = false, Tensor* amax = nullptr);
+
+// scale_inv[4i] = from[experts[i]] (F32; from [E], scale_inv [4A]): delayed scaling's
+// per-expert inverse scales copied out of the state, 16 bytes apart, since cuBLASLt refuses
+// some FP8 GEMMs whose scale pointers are not 16-byte aligned.
+void moe_weight_gather_scales(void* stream, const Tensor& from, const std::vector<int64_t>& experts,
+                              Tensor& scale_inv);
 
 }  // namespace tessera::cuda
