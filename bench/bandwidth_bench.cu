@@ -457,6 +457,24 @@ void run_shape(int64_t R, int64_t C) {
     table.add("moe_swiglu_backward legacy (+amax)", 10 * NH, ms_bl, cb.text());
     table.add("moe_swiglu_backward -> E5M2 (2 passes)", 16 * NH, ms_q, cq.text());
     table.add("moe_swiglu_backward, then cast rows", 18 * NH, ms_ql, cq.text());
+    // Delayed scaling's one pass (moe_swiglu_scaled_backward_cast): the scale known before the
+    // pass, here the one current scaling made from am, so its codes must be the two-pass
+    // form's; d_scale from per-tile partial sums (another order: 1e-5), the amax folded in.
+    // 10 B per element of h (x and dy read once, 2 codes written twice).
+    {
+      Tensor scale_1 = Tensor::empty({1}, f32, kGpu), am_1 = Tensor::zeros({1}, f32, kGpu), ds_1 = ds.clone();
+      fp8::scale_from_amax(gpu, am, DType::E5M2, 0, false, scale_1);
+      auto one = [&] { return moe_swiglu_scaled_backward_cast(gpu, xm, prob, dym, scale_1, splits, DType::E5M2, ds_1, &am_1); };
+      const double ms_1 = median_ms([&] { one(); }, g_runs);
+      poison(ds_1);
+      const MoEFp8Rows a = one(), b = unfused();
+      Check c1;
+      c1.expect(byte_mismatch(a.data, b.data), 0, "data");
+      c1.expect(byte_mismatch(a.data_t, b.data_t), 0, "data_t");
+      c1.expect(rel_error(ds_1, ds), 1e-5, "d_scale");
+      c1.expect(byte_mismatch(am_1, am), 0, "amax");
+      table.add("moe_swiglu_backward -> E5M2, delayed (1 pass)", 10 * NH, ms_1, c1.text());
+    }
   }
 
   // ---- Casts (the cast op; every dtype pair has a kernel) ----

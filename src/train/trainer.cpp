@@ -340,9 +340,16 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
                   c.training.parallel.sequence_parallel ? " with sequence parallelism" : "",
                   c.training.parallel.tp_comm_overlap ? " (communication overlapped)" : "",
                   static_cast<long long>(model.num_parameters()));
-    if (fp8_state)
-      std::printf("train: FP8 (%s scaling) in %lld linear layers of the blocks\n", c.fp8->name().c_str(),
+    if (fp8_state) {
+      int64_t moe_layers = 0;
+      for (const auto& layer : model.layers) moe_layers += layer->moe ? 1 : 0;
+      std::printf("train: FP8 (%s scaling) in %lld linear layers of the blocks", c.fp8->name().c_str(),
                   static_cast<long long>(fp8_state->num_linears()));
+      if (moe_layers > 0)
+        std::printf(" and the experts of %lld MoE layers%s", static_cast<long long>(moe_layers),
+                    fp8_state->expert_state() ? " (per-expert delayed scales)" : " (per-expert current scales)");
+      std::printf("\n");
+    }
     std::printf("train: unigram entropy of the data %.3f nats/token (the loss of a model that ignores context)\n",
                 unigram_entropy(tokens, c.model.vocab_size));
   }

@@ -11,6 +11,10 @@
 //     hardware cvt, an 8-byte store); or, when the transposed codes are wanted too, 64 x 128
 //     tiles of every listed expert in one persistent grid, cast_transpose.cu's tile scheme
 //     (code_tile.cuh) with the tile's expert looked up from the tile index.
+// Delayed scaling skips 1 and 2: the cast reads each expert's scale from the scaling state
+// (indexed by the expert's id) and folds the expert's amax into the state's slot from its
+// own read (per-thread max, one atomic per block and expert).
+//
 // Layout: w contiguous and 16-byte aligned, K % 8 == 0 (N % 8 == 0 for the transpose);
 // outputs in compact slots (moe_weight_cast.h). The codes equal quantize_with_transpose's
 // of each expert with its scale, byte for byte (fp8_cvt.cuh's conversion).
