@@ -110,4 +110,14 @@ inline void expect_fused_fp8_activation_training_identical(Context& ctx, const m
   expect_identical_runs(losses, finals);
 }
 
+// Plain SGD on the FP32 masters (w -= lr * grad), then the models' compute copies refreshed:
+// the optimizer of the small "it learns" tests.
+inline void sgd_step(Context& ctx, models::TransformerLM& model, double lr) {
+  for (nn::Parameter* p : model.parameters()) {
+    Tensor& w = p->weights();
+    for (int64_t j = 0; j < w.numel(); ++j) w.set_item(j, w.item(j) - lr * p->grad.item(j));
+  }
+  model.refresh_values(ctx);
+}
+
 }  // namespace tessera::testing

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "gpu_testing.h"
+#include "moe_testing.h"
 #include "tessera/core/stream.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/nn/moe.h"
@@ -324,26 +325,6 @@ namespace {
 
 const std::vector<std::vector<int64_t>> kFp8Splits = {
     {3, 0, 130, 0, 1}, {0, 0, 0, 0, 200}, {32, 48, 64, 48, 32}, {0, 0, 0, 0, 0}, {17, 33, 1, 15, 16}};
-
-Tensor zero_tail(Tensor x, const std::vector<int64_t>& splits) {
-  int64_t used = 0;
-  for (int64_t v : splits) used += v;
-  if (used < x.size(0)) x.slice(0, used, x.size(0)).fill_zero();
-  return x;
-}
-
-// Codes that differ, and whether each differs by at most one rounding step (adjacent codes
-// of the same sign: FP8 codes are ordered like sign-magnitude integers).
-std::pair<int64_t, bool> code_mismatches(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  int64_t n = 0;
-  bool adjacent = a.size() == b.size();
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    if (a[i] == b[i]) continue;
-    ++n;
-    adjacent = adjacent && (a[i] & 0x80) == (b[i] & 0x80) && std::abs(int(a[i] & 0x7f) - int(b[i] & 0x7f)) == 1;
-  }
-  return {n, adjacent};
-}
 
 }  // namespace
 

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "gpu_testing.h"
+#include "moe_testing.h"
 #include "tessera/fp8/device_scaling.h"
 #include "tessera/nn/moe.h"
 #include "tessera/ops/moe.h"
@@ -21,25 +22,6 @@ namespace {
 
 const std::vector<std::vector<int64_t>> kSplits = {
     {3, 0, 130, 0, 1}, {0, 0, 0, 0, 200}, {32, 48, 64, 48, 32}, {0, 0, 0, 0, 0}, {17, 33, 1, 15, 16}};
-
-Tensor zero_tail(Tensor x, const std::vector<int64_t>& splits) {
-  int64_t used = 0;
-  for (int64_t v : splits) used += v;
-  if (used < x.size(0)) x.slice(0, used, x.size(0)).fill_zero();
-  return x;
-}
-
-// Codes that differ, and whether each differs by one rounding step (same sign, adjacent).
-std::pair<int64_t, bool> code_mismatches(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  int64_t n = 0;
-  bool adjacent = a.size() == b.size();
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    if (a[i] == b[i]) continue;
-    ++n;
-    adjacent = adjacent && (a[i] & 0x80) == (b[i] & 0x80) && std::abs(int(a[i] & 0x7f) - int(b[i] & 0x7f)) == 1;
-  }
-  return {n, adjacent};
-}
 
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
 
@@ -124,29 +106,6 @@ TEST(GpuMoeFp8Delayed, OnePassSwigluBackwardCastMatchesTheCpu) {
 
 namespace {
 
-struct MlpRun {
-  Tensor y, dx, d_scale, dfc, dproj;
-};
-
-MlpRun run(nn::GroupedMLP& m, Context& ctx, const Tensor& x, const Tensor& prob, const Tensor& dy,
-           const std::vector<int64_t>& splits) {
-  m.fc.weight.grad.fill_zero();
-  m.proj.weight.grad.fill_zero();
-  nn::GroupedMLP::Saved s;
-  MlpRun r;
-  r.y = m.forward(ctx, x, prob, splits, s);
-  EXPECT_TRUE(s.fp8);
-  r.dx = m.backward_input(ctx, dy, s);
-  r.d_scale = s.d_scale;
-  m.backward_weight(ctx, dy, s);
-  r.dfc = m.fc.weight.grad.to(Device::cpu());
-  r.dproj = m.proj.weight.grad.to(Device::cpu());
-  r.y = r.y.to(Device::cpu());
-  r.dx = r.dx.to(Device::cpu());
-  r.d_scale = r.d_scale.to(Device::cpu());
-  return r;
-}
-
 void to_gpu(nn::GroupedLinear& l) { l.weight.to(kCuda); }
 
 }  // namespace
@@ -184,7 +143,7 @@ TEST(GpuMoeFp8Delayed, GroupedMlpMatchesTheCpuAndCurrentScaling) {
       const Tensor dy = zero_tail(random_tensor({rows, hidden}, DType::BF16, seed++), splits);
       const Tensor xg = x.to(kCuda), probg = prob.to(kCuda), dyg = dy.to(kCuda);
       for (int step = 0; step < 3; ++step) {
-        const MlpRun c = run(mc, cpu, x, prob, dy, splits), g = run(mg, gpu, xg, probg, dyg, splits);
+        const MlpRun c = run_mlp(mc, cpu, x, prob, dy, splits), g = run_mlp(mg, gpu, xg, probg, dyg, splits);
         // The tolerance of the current-scaling test (test_gpu_moe): h_pre's rounding moves rare codes.
         const double tol = 5e-2;
         EXPECT_LT(relative_error(g.y, c.y), tol) << step;
@@ -197,7 +156,7 @@ TEST(GpuMoeFp8Delayed, GroupedMlpMatchesTheCpuAndCurrentScaling) {
         for (size_t i = 0; i < pc.size(); ++i) EXPECT_LE(rel(pg[i], pc[i]), pc[i] == 0 ? 0.0 : 1e-2) << i;
         if (step == 2) {
           // The history holds this data's amaxes: current scaling's scales, current's bits.
-          const MlpRun want = run(cur, gpu, xg, probg, dyg, splits);
+          const MlpRun want = run_mlp(cur, gpu, xg, probg, dyg, splits);
           EXPECT_TRUE(same_bits(g.y, want.y));
           EXPECT_TRUE(same_bits(g.dx, want.dx));
           EXPECT_TRUE(same_bits(g.dfc, want.dfc));

@@ -13,21 +13,13 @@
 #include "tessera/ops/moe.h"
 #include "tessera/ops/quantize.h"
 #include "model_testing.h"
+#include "moe_testing.h"
 #include "testing.h"
 
 using namespace tessera;
 using namespace tessera::testing;
 
 namespace {
-
-// x with its rows past the split sum zeroed, as the permutation leaves them.
-Tensor rows_input(int64_t rows, int64_t cols, const std::vector<int64_t>& splits, uint64_t seed, float scale = 1.0f) {
-  Tensor x = random_tensor({rows, cols}, DType::BF16, seed, -scale, scale);
-  int64_t used = 0;
-  for (int64_t s : splits) used += s;
-  for (int64_t i = used * cols; i < rows * cols; ++i) x.set_item(i, 0.0);
-  return x;
-}
 
 // Host reference of current scaling: the codes of x * scale and 1 / scale.
 struct Ref {
@@ -298,30 +290,8 @@ TEST(MoeFp8, GroupedLinearRefusesSizesTheFp8GemmsCannotTake) {
   EXPECT_FALSE(off.runs_fp8(DType::BF16));
 }
 
-namespace {
-
-struct MlpRun {
-  Tensor y, dx, d_scale, dfc, dproj;
-};
-
-MlpRun run_mlp(nn::GroupedMLP& mlp, const Tensor& x, const Tensor& prob, const Tensor& dy,
-               const std::vector<int64_t>& splits) {
-  Context ctx = Context::cpu();
-  for (nn::Parameter* p : std::vector<nn::Parameter*>{&mlp.fc.weight, &mlp.proj.weight}) p->grad.fill_zero();
-  nn::GroupedMLP::Saved saved;
-  MlpRun r;
-  r.y = mlp.forward(ctx, x, prob, splits, saved);
-  r.dx = mlp.backward_input(ctx, dy, saved);
-  r.d_scale = saved.d_scale;
-  mlp.backward_weight(ctx, dy, saved);
-  r.dfc = mlp.fc.weight.grad.clone();
-  r.dproj = mlp.proj.weight.grad.clone();
-  return r;
-}
-
-}  // namespace
-
 TEST(MoeFp8, GroupedMlpInFp8StaysCloseToBf16) {
+  Context ctx = Context::cpu();
   const int64_t e = 4, hidden = 32, ffn = 48;
   for (const std::vector<int64_t>& splits :
        {std::vector<int64_t>{9, 0, 14, 13}, std::vector<int64_t>{0, 0, 40, 0}, std::vector<int64_t>{0, 0, 0, 0}}) {
@@ -338,7 +308,7 @@ TEST(MoeFp8, GroupedMlpInFp8StaysCloseToBf16) {
     ASSERT_TRUE(fp8.runs_fp8(x));
     const Tensor prob = random_tensor({rows}, DType::BF16, 24, 0.2f, 1.0f);
     const Tensor dy = rows_input(rows, hidden, splits, 25);
-    const MlpRun a = run_mlp(fp8, x, prob, dy, splits), b = run_mlp(bf16, x, prob, dy, splits);
+    const MlpRun a = run_mlp(fp8, ctx, x, prob, dy, splits), b = run_mlp(bf16, ctx, x, prob, dy, splits);
     int64_t used = 0;
     for (int64_t s : splits) used += s;
     if (used == 0) {
@@ -374,7 +344,7 @@ TEST(MoeFp8, RecomputingTheActivationIsBitIdentical) {
     Context ctx = Context::cpu();
     recompute.forward(ctx, x, prob, splits, s);
     EXPECT_FALSE(s.h.defined());
-    const MlpRun a = run_mlp(keep, x, prob, dy, splits), b = run_mlp(recompute, x, prob, dy, splits);
+    const MlpRun a = run_mlp(keep, ctx, x, prob, dy, splits), b = run_mlp(recompute, ctx, x, prob, dy, splits);
     EXPECT_EQ(a.y.to_doubles(), b.y.to_doubles());
     EXPECT_EQ(a.dx.to_doubles(), b.dx.to_doubles());
     EXPECT_EQ(a.d_scale.to_doubles(), b.d_scale.to_doubles());
@@ -404,11 +374,7 @@ TEST(MoeFp8, TinyMixtralTrainsInFp8) {
     ASSERT_TRUE(std::isfinite(loss));
     if (step == 0) first = loss;
     last = loss;
-    for (nn::Parameter* p : model.parameters()) {
-      Tensor& w = p->weights();
-      for (int64_t j = 0; j < w.numel(); ++j) w.set_item(j, w.item(j) - 0.5 * p->grad.item(j));
-    }
-    model.refresh_values(ctx);
+    sgd_step(ctx, model, 0.5);
   }
   EXPECT_LT(last, first - 0.5);
   models::disable_fp8(model);

@@ -16,6 +16,7 @@
 #include "tessera/ops/moe.h"
 #include "tessera/ops/quantize.h"
 #include "model_testing.h"
+#include "moe_testing.h"
 #include "testing.h"
 
 using namespace tessera;
@@ -23,38 +24,11 @@ using namespace tessera::testing;
 
 namespace {
 
-Tensor rows_input(int64_t rows, int64_t cols, const std::vector<int64_t>& splits, uint64_t seed, float scale = 1.0f) {
-  Tensor x = random_tensor({rows, cols}, DType::BF16, seed, -scale, scale);
-  int64_t used = 0;
-  for (int64_t s : splits) used += s;
-  if (used < rows) x.slice(0, used, rows).fill_zero();
-  return x;
-}
-
 float amax_of(const Tensor& x) {
   Context ctx = Context::cpu();
   Tensor a = Tensor::empty({1}, DType::F32);
   amax(ctx, x, a);
   return a.data<float>()[0];
-}
-
-struct MlpRun {
-  Tensor y, dx, d_scale, dfc, dproj;
-};
-
-MlpRun run_mlp(nn::GroupedMLP& mlp, const Tensor& x, const Tensor& prob, const Tensor& dy,
-               const std::vector<int64_t>& splits) {
-  Context ctx = Context::cpu();
-  for (nn::Parameter* p : std::vector<nn::Parameter*>{&mlp.fc.weight, &mlp.proj.weight}) p->grad.fill_zero();
-  nn::GroupedMLP::Saved saved;
-  MlpRun r;
-  r.y = mlp.forward(ctx, x, prob, splits, saved);
-  r.dx = mlp.backward_input(ctx, dy, saved);
-  r.d_scale = saved.d_scale;
-  mlp.backward_weight(ctx, dy, saved);
-  r.dfc = mlp.fc.weight.grad.clone();
-  r.dproj = mlp.proj.weight.grad.clone();
-  return r;
 }
 
 struct Pair {
@@ -115,7 +89,7 @@ TEST(MoeFp8Delayed, RecordsTheAmaxOfEveryCastAndMatchesCurrentScalingOnceTheHist
       const Tensor dy = rows_input(rows, hidden, splits, 45);
 
       // Step 1 with the fresh state's scales of 1: the pending amaxes afterwards.
-      (void)run_mlp(p->delayed, x, prob, dy, splits);
+      (void)run_mlp(p->delayed, ctx, x, prob, dy, splits);
       const Tensor pending = p->state->pending_amaxes().clone();
       const int64_t proj0 = MoEFp8Options::delayed_slots(e);
       EXPECT_EQ(pending.item(MoEFp8Options::kDelayedInput), amax_of(x));
@@ -136,10 +110,10 @@ TEST(MoeFp8Delayed, RecordsTheAmaxOfEveryCastAndMatchesCurrentScalingOnceTheHist
       // current scaling's amaxes for them too, and step 3 (the latest amax rule) casts every
       // tensor with current scaling's scale: the same bits everywhere.
       p->state->update(ctx);
-      (void)run_mlp(p->delayed, x, prob, dy, splits);
+      (void)run_mlp(p->delayed, ctx, x, prob, dy, splits);
       const Tensor pending2 = p->state->pending_amaxes().clone();
       p->state->update(ctx);
-      const MlpRun d = run_mlp(p->delayed, x, prob, dy, splits), c = run_mlp(p->current, x, prob, dy, splits);
+      const MlpRun d = run_mlp(p->delayed, ctx, x, prob, dy, splits), c = run_mlp(p->current, ctx, x, prob, dy, splits);
       EXPECT_EQ(d.y.to_doubles(), c.y.to_doubles());
       EXPECT_EQ(d.dx.to_doubles(), c.dx.to_doubles());
       EXPECT_EQ(d.d_scale.to_doubles(), c.d_scale.to_doubles());
@@ -217,11 +191,7 @@ TEST(MoeFp8Delayed, TinyMixtralTrainsAndKeepsTheExpertStateInTheCheckpoint) {
     scaling->end_step(ctx);
     if (step == 0) first = loss;
     last = loss;
-    for (nn::Parameter* p : model.parameters()) {
-      Tensor& w = p->weights();
-      for (int64_t j = 0; j < w.numel(); ++j) w.set_item(j, w.item(j) - 0.5 * p->grad.item(j));
-    }
-    model.refresh_values(ctx);
+    sgd_step(ctx, model, 0.5);
   }
   EXPECT_LT(last, first - 0.5);
   // The experts' scales moved off 1 (their amaxes are far from the FP8 range's top).

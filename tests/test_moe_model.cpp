@@ -8,6 +8,7 @@
 
 #include "tessera/models/transformer_lm.h"
 #include "tessera/nn/mlp.h"
+#include "model_testing.h"
 #include "testing.h"
 
 using namespace tessera;
@@ -221,12 +222,7 @@ TEST(Mixtral, Bf16StepIsFiniteAndLossDrops) {
     ASSERT_TRUE(std::isfinite(loss));
     if (step == 0) first = loss;
     last = loss;
-    // Plain SGD on the FP32 masters.
-    for (nn::Parameter* p : model.parameters()) {
-      Tensor& w = p->weights();
-      for (int64_t j = 0; j < w.numel(); ++j) w.set_item(j, w.item(j) - 0.5 * p->grad.item(j));
-    }
-    model.refresh_values(ctx);
+    sgd_step(ctx, model, 0.5);
     model.update_expert_biases(ctx);
   }
   EXPECT_LT(last, first - 0.5);
