@@ -33,6 +33,13 @@
 // the weight-gradient GEMMs overwrite (beta 0) instead of reading and adding to dW. The other
 // rows accumulate into dW (beta 1), as later micro-batches do.
 //
+// "4-micro step" rows: each timed call is a whole training step of four micro-batches (the
+// first overwriting dW, the others adding; the delayed state updated once at the end), and
+// the figure is the time per micro-batch. "cached": fp8.cache_weights (fp8/weight_cache.h,
+// Transformer Engine's is_first_microbatch), every expert weight cast once in the step's
+// first micro-batch and its codes reused by the other three; "uncached" casts in each.
+// bench/moe_torch.py's "4-micro step" forms time the same step in PyTorch.
+//
 // Usage: bench_moe [runs]     (needs a GPU)
 //        bench_moe profile    one balanced BF16, one FP8 and one delayed-FP8 forward+backward between
 //                             cudaProfilerStart/Stop, for `ncu --profile-from-start off`
@@ -52,6 +59,7 @@
 #include "gpu_timing.h"
 #include "tessera/core/random.h"
 #include "tessera/fp8/device_scaling.h"
+#include "tessera/fp8/weight_cache.h"
 #include "tessera/nn/moe.h"
 #include "tessera/ops/gemm.h"
 #include "tessera/ops/moe.h"
@@ -95,9 +103,17 @@ Tensor loop_forward(Context& ctx, const nn::GroupedMLP& mlp, const Tensor& x, co
   return y;
 }
 
-void run_case(const char* name, const std::vector<int64_t>& splits, int runs, int streams, bool fp8 = false,
-              bool profile = false, bool keep_weight_transpose = false, bool step_start = false,
-              bool delayed = false) {
+// What a row runs: the layer's precision and FP8 options, and how each timed call starts.
+struct Case {
+  bool fp8 = false, keep_weight_transpose = false, delayed = false;
+  bool step_start = false;   // the call starts a step: lazily zeroed gradients
+  int micro_batches = 1;     // > 1: the call is a whole step of this many micro-batches
+  bool cache_weights = false;  // with micro_batches > 1: fp8.cache_weights
+  bool profile = false;
+};
+
+void run_case(const char* name, const std::vector<int64_t>& splits, int runs, int streams, const Case& c = {}) {
+  const bool fp8 = c.fp8, profile = c.profile, step_start = c.step_start, delayed = c.delayed;
   set_grouped_gemm_streams(streams);
   Context ctx = Context::cuda(0);
   const int64_t rows = kTokens * kTopK;
@@ -117,10 +133,13 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
   const Tensor y = mlp.forward(ctx, x, scale, splits, saved);
   double err = relative_error(y, loop_forward(ctx, mlp, x, scale, splits));
   std::shared_ptr<fp8::DeviceDelayedScaling> state;
+  std::shared_ptr<fp8::WeightCache> cache;
   if (fp8) {
     const Tensor dx16 = mlp.backward_input(ctx, dy, saved);
     MoEFp8Options options;
-    options.keep_weight_transpose = keep_weight_transpose;
+    options.keep_weight_transpose = c.keep_weight_transpose;
+    if (c.cache_weights) options.weight_cache = std::make_shared<fp8::WeightCache>();
+    cache = options.weight_cache;
     if (delayed) {
       state = std::make_shared<fp8::DeviceDelayedScaling>(ctx, fp8::DelayedScalingConfig{}, mlp.delayed_roles());
       options.delayed = state;
@@ -158,15 +177,23 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
     return;
   }
   const double fwd_ms = median_ms([&] { (void)mlp.forward(ctx, x, scale, splits, saved); }, runs, 3);
+  const int micro = std::max(1, c.micro_batches);
   const double all_ms = median_ms(
-      [&] {
-        if (step_start) mlp.fc.weight.grad_unwritten = mlp.proj.weight.grad_unwritten = true;  // as zero_grad
-        (void)mlp.forward(ctx, x, scale, splits, saved);
-        (void)mlp.backward_input(ctx, dy, saved);
-        mlp.backward_weight(ctx, dy, saved);
-        if (state) state->update(ctx);  // the step's scale update
-      },
-      runs, 3);
+                            [&] {
+                              if (step_start || micro > 1)  // as zero_grad
+                                mlp.fc.weight.grad_unwritten = mlp.proj.weight.grad_unwritten = true;
+                              if (cache) cache->open();
+                              for (int m = 0; m < micro; ++m) {
+                                (void)mlp.forward(ctx, x, scale, splits, saved);
+                                (void)mlp.backward_input(ctx, dy, saved);
+                                mlp.backward_weight(ctx, dy, saved);
+                                if (state && m + 1 < micro) state->record(ctx);
+                              }
+                              if (cache) cache->close();
+                              if (state) state->update(ctx);  // the step's scale update
+                            },
+                            runs, 3) /
+                        micro;
   const double flop_fwd = 6.0 * rows * kHidden * kFfn;
   std::printf("| %-8s | %7d | %8.2f | %6.1f | %8.2f | %6.1f | %.1e %s |\n", name, streams, fwd_ms,
               flop_fwd / fwd_ms * 1e-9, all_ms, 3 * flop_fwd / all_ms * 1e-9, err, err < (fp8 ? 0.1 : 2e-2) ? "ok" : "WRONG");
@@ -178,9 +205,13 @@ int main(int argc, char** argv) {
   try {
     if (argc > 1 && std::string(argv[1]) == "profile") {
       const std::vector<int64_t> balanced(kExperts, kTokens * kTopK / kExperts);
-      run_case("balanced", balanced, 0, 1, false, true);
-      run_case("bal fp8", balanced, 0, 1, true, true);
-      run_case("bal fp8 delayed", balanced, 0, 1, true, true, true, false, true);
+      Case bf16, fp8_current, fp8_delayed;
+      bf16.profile = fp8_current.profile = fp8_delayed.profile = true;
+      fp8_current.fp8 = fp8_delayed.fp8 = true;
+      fp8_delayed.keep_weight_transpose = fp8_delayed.delayed = true;
+      run_case("balanced", balanced, 0, 1, bf16);
+      run_case("bal fp8", balanced, 0, 1, fp8_current);
+      run_case("bal fp8 delayed", balanced, 0, 1, fp8_delayed);
       return 0;
     }
     const int runs = argc > 1 ? std::max(5, std::atoi(argv[1])) : 20;
@@ -201,20 +232,43 @@ int main(int argc, char** argv) {
     }
     // FP8 on one stream (four measured no faster), and with each expert's W^T codes kept from
     // the forward (fp8.keep_weight_transpose: no re-cast in the backward, 1.3 GB more a layer).
-    run_case("bal fp8", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, true);
-    run_case("skew fp8", {4096, 3072, 2048, 2048, 1536, 1536, 1024, 1024}, runs, 1, true);
-    run_case("bal fp8 keepWt", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, true, false, true);
-    // A step's first micro-batch: dW overwritten (beta 0) after a lazy zero_grad.
-    run_case("bal step", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, false, false, false, true);
-    run_case("bal fp8 step", std::vector<int64_t>(kExperts, kTokens * kTopK / kExperts), runs, 1, true, false, false,
-             true);
-    // Delayed scaling: plain, with W^T kept, skewed, and as a step's first micro-batch.
     const std::vector<int64_t> balanced(kExperts, kTokens * kTopK / kExperts);
-    run_case("bal fp8 delayed", balanced, runs, 1, true, false, false, false, true);
-    run_case("bal fp8 delayed keepWt", balanced, runs, 1, true, false, true, false, true);
-    run_case("skew fp8 delayed", {4096, 3072, 2048, 2048, 1536, 1536, 1024, 1024}, runs, 1, true, false, false, false,
-             true);
-    run_case("bal fp8 delayed keepWt step", balanced, runs, 1, true, false, true, true, true);
+    const std::vector<int64_t> skewed = {4096, 3072, 2048, 2048, 1536, 1536, 1024, 1024};
+    Case fp8;
+    fp8.fp8 = true;
+    Case keep = fp8;
+    keep.keep_weight_transpose = true;
+    run_case("bal fp8", balanced, runs, 1, fp8);
+    run_case("skew fp8", skewed, runs, 1, fp8);
+    run_case("bal fp8 keepWt", balanced, runs, 1, keep);
+    // A step's first micro-batch: dW overwritten (beta 0) after a lazy zero_grad.
+    Case step, fp8_step = fp8;
+    step.step_start = fp8_step.step_start = true;
+    run_case("bal step", balanced, runs, 1, step);
+    run_case("bal fp8 step", balanced, runs, 1, fp8_step);
+    // Delayed scaling: plain, with W^T kept, skewed, and as a step's first micro-batch.
+    Case delayed = fp8;
+    delayed.delayed = true;
+    Case delayed_keep = delayed;
+    delayed_keep.keep_weight_transpose = true;
+    Case delayed_keep_step = delayed_keep;
+    delayed_keep_step.step_start = true;
+    run_case("bal fp8 delayed", balanced, runs, 1, delayed);
+    run_case("bal fp8 delayed keepWt", balanced, runs, 1, delayed_keep);
+    run_case("skew fp8 delayed", skewed, runs, 1, delayed);
+    run_case("bal fp8 delayed keepWt step", balanced, runs, 1, delayed_keep_step);
+    // Whole steps of four micro-batches, per micro-batch: BF16, and delayed FP8 with the
+    // expert weights cast in every micro-batch (W^T kept) or once a step (cache_weights).
+    Case bf16_4;
+    bf16_4.micro_batches = 4;
+    Case uncached_4 = delayed_keep;
+    uncached_4.micro_batches = 4;
+    Case cached_4 = delayed;
+    cached_4.micro_batches = 4;
+    cached_4.cache_weights = true;
+    run_case("bal 4-micro step", balanced, runs, 1, bf16_4);
+    run_case("bal fp8 delayed keepWt 4-micro step", balanced, runs, 1, uncached_4);
+    run_case("bal fp8 delayed cached 4-micro step", balanced, runs, 1, cached_4);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe: %s\n", e.what());

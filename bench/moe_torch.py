@@ -10,7 +10,9 @@ routing probability. Two PyTorch forms:
 CUDA events, 3 warm-up calls, median of `runs`; the FLOP count of bench_moe. The gradients
 accumulate from call to call (autograd adds into .grad), as in bench_moe's plain rows; the
 "step" forms first set every .grad to None, so autograd writes them instead (a training step's
-first micro-batch), as bench_moe's "step" rows do.
+first micro-batch), as bench_moe's "step" rows do. The "4-micro step" forms time a whole
+training step of four micro-batches (.grad set to None, then four forward + backward calls
+accumulating) and report the time per micro-batch, as bench_moe's "4-micro step" rows do.
 
 Usage: python3 bench/moe_torch.py [runs]
 """
@@ -66,8 +68,12 @@ def main():
                  "grouped_mm": lambda: grouped_forward(x, scale, w_fc, w_proj, offsets)}
         forms["loop step"] = forms["loop"]
         forms["grouped_mm step"] = forms["grouped_mm"]
+        forms["loop 4-micro step"] = forms["loop"]
+        forms["grouped_mm 4-micro step"] = forms["grouped_mm"]
         for form, fwd in forms.items():
             try:
+                micro = 4 if "4-micro" in form else 1
+
                 def forward_only():
                     with torch.no_grad():
                         fwd()
@@ -75,15 +81,16 @@ def main():
                 def both():
                     if form.endswith("step"):
                         x.grad = w_fc.grad = w_proj.grad = None
-                    y = fwd()
-                    torch.autograd.backward(y, dy)
+                    for _ in range(micro):
+                        y = fwd()
+                        torch.autograd.backward(y, dy)
 
                 fwd_ms = median_ms(forward_only, runs, 3)
-                all_ms = median_ms(both, runs, 3)
-                print(f"| {name:8} | {form:15} | {fwd_ms:7.2f} | {flop_fwd / fwd_ms * 1e-9:7.1f} | {all_ms:10.2f} | "
+                all_ms = median_ms(both, runs, 3) / micro
+                print(f"| {name:8} | {form:23} | {fwd_ms:7.2f} | {flop_fwd / fwd_ms * 1e-9:7.1f} | {all_ms:10.2f} | "
                       f"{3 * flop_fwd / all_ms * 1e-9:7.1f} |", flush=True)
             except Exception as e:  # torch._grouped_mm is private and may be missing
-                print(f"| {name:8} | {form:15} | failed: {type(e).__name__}: {e} |")
+                print(f"| {name:8} | {form:23} | failed: {type(e).__name__}: {e} |")
         x.grad = w_fc.grad = w_proj.grad = None
 
 

@@ -119,6 +119,30 @@ TEST(Trainer, Fp8RunsAndResumesBitIdentically) {
   EXPECT_THROW(train::RunConfig::from_json(bad), Error);
 }
 
+// Under gradient accumulation the FP8 weights are cast once per step (fp8.cache_weights, on
+// by default): the run gives the same losses and weights as casting in every micro-batch.
+TEST(Trainer, Fp8WeightCacheUnderGradientAccumulationChangesNoBit) {
+  const std::string cached = temp_dir("fp8_cached"), uncached = temp_dir("fp8_uncached");
+  const std::string text = write_text(cached, 300);
+  auto config = [&](const std::string& dir, bool cache) {
+    nlohmann::json j = make_config(dir, text);
+    j["training"]["precision"] = "bf16";
+    j["training"]["grad_accum"] = 3;
+    j["training"]["steps"] = 4;
+    j["fp8"] = {{"recipe", "delayed"}, {"history_len", 4}, {"cache_weights", cache}};
+    return j;
+  };
+  train::train(train::RunConfig::from_json(config(cached, true)), {.quiet = true});
+  train::train(train::RunConfig::from_json(config(uncached, false)), {.quiet = true});
+  const std::vector<double> a = losses(cached), b = losses(uncached);
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(a, b);
+  auto newest_model = [](const std::string& dir) {
+    return io::read_file(dir + "/checkpoints/step-000004/model.safetensors");
+  };
+  EXPECT_EQ(newest_model(cached), newest_model(uncached));
+}
+
 TEST(Trainer, DatasetShorterThanOneBatchIsAClearError) {
   const std::string dir = temp_dir("short");
   const std::string text = write_text(dir, 1);  // ~50 bytes: fewer than 4 x 16 + 1 tokens

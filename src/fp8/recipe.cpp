@@ -72,14 +72,16 @@ std::string Recipe::name() const {
 Recipe Recipe::from_json(const nlohmann::json& j, const std::string& where) {
   TESSERA_CHECK(j.is_object(), "config: ", where, " must be a mapping, got ", j.dump());
   TESSERA_CHECK(j.contains("recipe"), "config: ", where, ".recipe is missing (delayed, current, block or mxfp8)");
-  if (j.contains("lm_head") || j.contains("keep_weight_transpose")) {
+  if (j.contains("lm_head") || j.contains("keep_weight_transpose") || j.contains("cache_weights")) {
     // keys of every recipe: read them, then the rest as before
     nlohmann::json rest = j;
     rest.erase("lm_head");
     rest.erase("keep_weight_transpose");
+    rest.erase("cache_weights");
     Recipe r = from_json(rest, where);
     read_bool(j, where, "lm_head", r.lm_head);
     read_bool(j, where, "keep_weight_transpose", r.keep_weight_transpose);
+    read_bool(j, where, "cache_weights", r.cache_weights);
     return r;
   }
   const std::string name = read_choice(j, where, "recipe", {"delayed", "current", "block", "mxfp8"});
@@ -124,6 +126,7 @@ nlohmann::json Recipe::to_json() const {
   nlohmann::json j = {{"recipe", name()}};
   if (lm_head) j["lm_head"] = true;  // only when set: the default's JSON is unchanged
   if (keep_weight_transpose) j["keep_weight_transpose"] = true;
+  if (!cache_weights) j["cache_weights"] = false;
   if (const auto* c = std::get_if<DelayedScalingConfig>(&config)) {
     j["history_len"] = c->history_len;
     j["amax_compute"] = c->amax_compute == DelayedScalingConfig::AmaxCompute::Max ? "max" : "most_recent";

@@ -38,6 +38,7 @@ std::shared_ptr<nn::Fp8Scaling> enable_fp8(Context& ctx, TransformerLM& model, c
     if (layer->moe) {
       MoEFp8Options options = MoEFp8Options::from_recipe(recipe);
       options.delayed = expert_state;
+      options.weight_cache = scaling->weight_cache();
       options.delayed_base = base;
       base += layer->moe->experts.delayed_slots();
       layer->moe->experts.use_fp8(options);

@@ -87,12 +87,22 @@ std::shared_ptr<fp8::DeviceDelayedScaling> Fp8Scaling::make_expert_state(Context
   return expert_delayed_;
 }
 
+void Fp8Scaling::begin_step(int64_t micro_batches) {
+  cached_micro_batches_left_ = recipe_.cache_weights && micro_batches > 1 ? micro_batches : 0;
+  if (cached_micro_batches_left_ > 0) weight_cache_->open();
+  else weight_cache_->close();
+}
+
 void Fp8Scaling::end_micro_batch(Context& ctx) {
+  // After the step's last micro-batch nothing reads the casts again: they go before the
+  // optimizer changes the weights, not only at end_step.
+  if (cached_micro_batches_left_ > 0 && --cached_micro_batches_left_ == 0) weight_cache_->close();
   if (delayed_) delayed_->record(ctx);
   if (expert_delayed_) expert_delayed_->record(ctx);
 }
 
 void Fp8Scaling::end_step(Context& ctx) {
+  weight_cache_->close();
   if (delayed_) delayed_->update(ctx);
   if (expert_delayed_) expert_delayed_->update(ctx);
 }

@@ -92,7 +92,19 @@ Tensor Linear::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved
   saved.bias_grad_done = false;
   saved.x = Tensor();
   saved.x_fp8 = x;
-  saved.w_fp8 = fp8_.scaling->quantize(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight, &saved.w_scale);
+  // Under gradient accumulation the step's first micro-batch casts W and the later ones reuse
+  // its codes (fp8/weight_cache.h); they hold both copies anyway, so the saved ones stay.
+  struct CastWeight {
+    fp8::QuantizedTensor codes;
+    Tensor scale;
+  };
+  const CastWeight w = fp8_.scaling->weight_cache()->get_or_make<CastWeight>(&weight, [&] {
+    CastWeight made;
+    made.codes = fp8_.scaling->quantize(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight, &made.scale);
+    return made;
+  });
+  saved.w_fp8 = w.codes;
+  saved.w_scale = w.scale;
   fp8::Fp8GemmOptions options;
   options.fast_accumulate = true;  // forward only, as Transformer Engine does
   options.bias = bias.value;
@@ -105,7 +117,7 @@ Tensor Linear::forward(Context& ctx, const fp8::QuantizedTensor& x, Saved& saved
   saved.w_fp8.data = Tensor();
   // Without keep_weight_transpose W^T goes too (out x in bytes per layer, held until the
   // backward otherwise): backward_input re-casts it with w_scale. With it, the scale goes.
-  if (keep_weight_transpose()) saved.w_scale = Tensor();
+  if (keep_weight_transpose() || weights_cached()) saved.w_scale = Tensor();
   else saved.w_fp8 = fp8::QuantizedTensor();
   return y;
 }
@@ -116,14 +128,16 @@ Tensor Linear::forward_block(Context& ctx, const Tensor& x, Saved& saved) const 
   saved.kind = Fp8Scaling::Kind::Block;
   saved.x = Tensor();
   saved.x_block = fp8_.scaling->quantize_block(ctx, x, fp8_.layer, Fp8Scaling::kInput);          // 1x128
-  saved.w_block = fp8_.scaling->quantize_block(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);  // 128x128
+  saved.w_block = fp8_.scaling->weight_cache()->get_or_make<fp8::BlockQuantizedTensor>(&weight, [&] {
+    return fp8_.scaling->quantize_block(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);  // 128x128
+  });
   fp8::Fp8GemmOptions options;
   options.bias = bias.value;
   fp8::fp8_gemm_blockwise(ctx, saved.x_block, false, saved.w_block, true, y, options);  // y = x W^T + b
   // As the per-tensor path: the backward reads x^T (column-wise blocks) and W^T only.
   for (fp8::BlockQuantizedTensor* q : {&saved.x_block, &saved.w_block})
     q->data = q->scale_inv = q->gemm_scale_inv = Tensor();
-  if (!keep_weight_transpose()) saved.w_block = fp8::BlockQuantizedTensor();  // re-cast in backward_input
+  if (!keep_weight_transpose() && !weights_cached()) saved.w_block = fp8::BlockQuantizedTensor();  // re-cast in backward_input
   return y;
 }
 
@@ -133,12 +147,13 @@ Tensor Linear::forward_mx(Context& ctx, const Tensor& x, Saved& saved) const {
   saved.kind = Fp8Scaling::Kind::Mxfp8;
   saved.x = Tensor();
   saved.x_mx = fp8_.scaling->quantize_mx(ctx, x, fp8_.layer, Fp8Scaling::kInput);
-  saved.w_mx = fp8_.scaling->quantize_mx(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight);
+  saved.w_mx = fp8_.scaling->weight_cache()->get_or_make<fp8::MxQuantizedTensor>(
+      &weight, [&] { return fp8_.scaling->quantize_mx(ctx, weight.value, fp8_.layer, Fp8Scaling::kWeight); });
   fp8::Fp8GemmOptions options;
   options.bias = bias.value;
   fp8::mxfp8_gemm_emulated(ctx, saved.x_mx, false, saved.w_mx, true, y, options);  // y = x W^T + b
   for (fp8::MxQuantizedTensor* q : {&saved.x_mx, &saved.w_mx}) q->data = q->scales = Tensor();
-  if (!keep_weight_transpose()) saved.w_mx = fp8::MxQuantizedTensor();  // re-cast in backward_input
+  if (!keep_weight_transpose() && !weights_cached()) saved.w_mx = fp8::MxQuantizedTensor();  // re-cast in backward_input
   return y;
 }
 

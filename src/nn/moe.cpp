@@ -46,7 +46,18 @@ Tensor GroupedLinear::forward_fp8(Context& ctx, MoEFp8Rows x, Fp8Saved& saved) c
   TESSERA_CHECK(runs_fp8(DType::BF16) && x.data.defined() && x.data.dim() == 2 && x.data.size(1) == in_, "GroupedLinear ",
                 weight.name, ": forward_fp8 needs an FP8 setting, a BF16 weight, in and out multiples of 16 and an ",
                 "FP8 input [M, ", in_, "]");
-  saved.w = moe_fp8_quantize_weights(ctx, weight3d(), x.splits, *fp8_);
+  // Under gradient accumulation (an open weight cache) every expert is cast once a step, with
+  // W^T too, and the later micro-batches reuse the codes, whatever their splits.
+  const bool cached = fp8_->weight_cache && fp8_->weight_cache->is_open();
+  if (cached) {
+    saved.w = fp8_->weight_cache->get_or_make<MoEFp8Weights>(&weight, [&] {
+      MoEFp8Options all = *fp8_;
+      all.keep_weight_transpose = true;
+      return moe_fp8_quantize_weights(ctx, weight3d(), std::vector<int64_t>(static_cast<size_t>(experts_), 1), all);
+    });
+  } else {
+    saved.w = moe_fp8_quantize_weights(ctx, weight3d(), x.splits, *fp8_);
+  }
   Tensor y = Tensor::empty({x.data.size(0), out_}, weight.value.dtype(), ctx.device);
   grouped_linear_forward_fp8(ctx, x, saved.w, y);
   // The backward reads the transposed codes only (dgrad: W^T, wgrad: x^T). The GEMMs queued
@@ -55,7 +66,7 @@ Tensor GroupedLinear::forward_fp8(Context& ctx, MoEFp8Rows x, Fp8Saved& saved) c
   saved.x.data = Tensor();
   // Without keep_weight_transpose W^T goes too (backward_input_fp8 re-casts it with the
   // kept per-expert scales: the same codes); with it, the scales go.
-  if (fp8_->keep_weight_transpose) saved.w.scales.clear();
+  if (fp8_->keep_weight_transpose || cached) saved.w.scales.clear();
   else saved.w.experts.assign(saved.w.experts.size(), fp8::QuantizedTensor());
   for (auto& w : saved.w.experts) w.data = Tensor();
   return y;

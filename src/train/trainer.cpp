@@ -555,6 +555,9 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
                       " (lower optimizer.lr or check the data)");
     } else {
       model.zero_grad();
+      // fp8.cache_weights: each FP8 weight cast once for the step's micro-batches (end_step
+      // drops the casts, after the optimizer).
+      if (fp8_state) fp8_state->begin_step(static_cast<int64_t>(batches.size()));
       for (size_t micro = 0; micro < batches.size(); ++micro) {
         const data::Batch& b = batches[micro];
         // The last micro-batch's backward starts the gradient reduction bucket by bucket (not

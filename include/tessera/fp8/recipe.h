@@ -76,6 +76,12 @@ struct Recipe {
   // from the (unchanged) BF16 weight with that scale: the same bits, out x in bytes per layer
   // less held at the peak, one more cast pass per weight (docs/fp8.md, "Memory").
   bool keep_weight_transpose = false;
+  // `cache_weights` (any recipe; default true): under gradient accumulation, each FP8 weight
+  // is cast once per optimizer step, in the first micro-batch, and its codes serve the later
+  // ones (Transformer Engine's is_first_microbatch; fp8/weight_cache.h). The same bits as
+  // casting every time; 2 bytes per FP8 weight parameter held for the step. No effect with
+  // one micro-batch a step.
+  bool cache_weights = true;
 
   std::string name() const;  // "delayed", "current", "block" or "mxfp8"
   // `where` names the section in error messages, e.g. "fp8" gives "fp8.margin".

@@ -27,6 +27,7 @@
 #include "tessera/fp8/mx_quantized_tensor.h"
 #include "tessera/fp8/quantized_tensor.h"
 #include "tessera/fp8/recipe.h"
+#include "tessera/fp8/weight_cache.h"
 
 namespace tessera::nn {
 
@@ -96,9 +97,17 @@ class Fp8Scaling {
   bool scale_known_before_cast() const { return delayed_.has_value(); }
   Tensor current_scale(Context& ctx, const Tensor& amax, Slot slot) const;
 
-  // After each micro-batch / once per step (delayed scaling's bookkeeping; no-ops for current).
+  // Before a step's first micro-batch: with the recipe's cache_weights and more than one
+  // micro-batch, opens the weight cache, so that each FP8 weight is cast once this step
+  // (fp8/weight_cache.h); the `micro_batches`-th end_micro_batch closes it again, before the
+  // optimizer changes the weights. Without begin_step nothing is cached.
+  void begin_step(int64_t micro_batches);
+  // After each micro-batch / once per step (delayed scaling's bookkeeping; no-ops for
+  // current). end_step also closes the weight cache.
   void end_micro_batch(Context& ctx);
   void end_step(Context& ctx);
+  // The cache the linear layers and MoE experts take their weights' casts from (never null).
+  const std::shared_ptr<fp8::WeightCache>& weight_cache() const { return weight_cache_; }
 
   // Delayed scaling of a model's MoE experts (GroupedMLP::delayed_roles of every MoE layer,
   // one after another): a second DeviceDelayedScaling with the recipe's config, made once,
@@ -123,6 +132,8 @@ class Fp8Scaling {
   float margin_ = 0;
   bool power_of_two_ = false;
   bool keep_weight_transpose_ = false;
+  std::shared_ptr<fp8::WeightCache> weight_cache_ = std::make_shared<fp8::WeightCache>();
+  int64_t cached_micro_batches_left_ = 0;  // end_micro_batch calls until the cache closes
 };
 
 // The FP8 setting of one linear layer: the shared state and the layer's index in it.

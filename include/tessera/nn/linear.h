@@ -4,7 +4,8 @@
 // and out multiples of 16, for every recipe), the three GEMMs run in FP8: x and W cast as the
 // recipe says for the forward, the output gradient cast in backward_input; the casts are kept
 // in Saved so each is made once (except W^T, which backward_input casts again unless the
-// binding keeps it: Fp8Scaling::keep_weight_transpose). Otherwise, or without a binding, the layer runs in its own
+// binding keeps it: Fp8Scaling::keep_weight_transpose). Under gradient accumulation with
+// fp8.cache_weights the weight's casts are made once per step (Fp8Scaling::begin_step). Otherwise, or without a binding, the layer runs in its own
 // dtype. Per recipe (Fp8Scaling::kind):
 //  - per-tensor (current, delayed): QuantizedTensor casts, fp8_gemm;
 //  - block: y = x W^T with x in 1x128 blocks along in and W in 128x128 tiles; dx = dy W with
@@ -94,6 +95,9 @@ class Linear {
   fp8::BlockQuantizedTensor weight_t_block(Context& ctx, const Saved& saved) const;
   fp8::MxQuantizedTensor weight_t_mx(Context& ctx, const Saved& saved) const;
   bool keep_weight_transpose() const { return fp8_.scaling && fp8_.scaling->keep_weight_transpose(); }
+  // Whether this step's weight casts come from the binding's open weight cache (which then
+  // holds W^T's codes until the step ends: the saved copy keeps them, no re-cast).
+  bool weights_cached() const { return fp8_.scaling && fp8_.scaling->weight_cache()->is_open(); }
 
   int64_t in_, out_;
   Fp8Binding fp8_;

@@ -32,6 +32,7 @@
 #include "tessera/fp8/device_scaling.h"
 #include "tessera/fp8/quantized_tensor.h"
 #include "tessera/fp8/recipe.h"
+#include "tessera/fp8/weight_cache.h"
 
 namespace tessera {
 
@@ -180,6 +181,11 @@ struct MoEFp8Options {
   // record / update (nn::Fp8Scaling::end_micro_batch / end_step for a model).
   std::shared_ptr<fp8::DeviceDelayedScaling> delayed;
   int64_t delayed_base = 0;
+  // fp8.cache_weights (fp8/weight_cache.h): while this cache is open, nn::GroupedLinear casts
+  // every expert's weight (both copies) once and reuses the casts in the step's later
+  // micro-batches. Null or closed: cast in every forward. models::enable_fp8 passes the
+  // model's Fp8Scaling::weight_cache().
+  std::shared_ptr<fp8::WeightCache> weight_cache;
   static constexpr int64_t kDelayedInput = 0, kDelayedGradOutput = 1, kDelayedWeight = 2;
   static int64_t delayed_slots(int64_t experts) { return kDelayedWeight + experts; }
   // The roles of one GroupedLinear's slots, in order (for DeviceDelayedScaling's constructor).
