@@ -475,6 +475,21 @@ void run_shape(int64_t R, int64_t C) {
       c1.expect(byte_mismatch(am_1, am), 0, "amax");
       table.add("moe_swiglu_backward -> E5M2, delayed (1 pass)", 10 * NH, ms_1, c1.text());
     }
+    // The forward's SwiGLU -> E4M3 cast with the scale known (delayed scaling: one pass, x read
+    // 4 B, 2 codes written = 6 B per element of h), its codes checked against current
+    // scaling's two-pass cast, whose scale the given one is.
+    {
+      Tensor h_amax = Tensor::empty({1}, f32, kGpu), scale_h = Tensor::empty({1}, f32, kGpu);
+      moe_swiglu_scaled_amax(gpu, xm, prob, h_amax);
+      fp8::scale_from_amax(gpu, h_amax, DType::E4M3, 0, false, scale_h);
+      auto cast = [&] { return moe_swiglu_scaled_cast(gpu, xm, prob, scale_h, splits, DType::E4M3); };
+      const double ms_c = median_ms([&] { cast(); }, g_runs);
+      const MoEFp8Rows a = cast(), b = moe_swiglu_scaled_quantize(gpu, xm, prob, splits, DType::E4M3, o);
+      Check cc;
+      cc.expect(byte_mismatch(a.data, b.data), 0, "data");
+      cc.expect(byte_mismatch(a.data_t, b.data_t), 0, "data_t");
+      table.add("moe_swiglu_forward -> E4M3, delayed (1 pass)", 6 * NH, ms_c, cc.text());
+    }
   }
 
   // ---- Casts (the cast op; every dtype pair has a kernel) ----

@@ -40,7 +40,11 @@
 // first micro-batch and its codes reused by the other three; "uncached" casts in each.
 // bench/moe_torch.py's "4-micro step" forms time the same step in PyTorch.
 //
-// Usage: bench_moe [runs]     (needs a GPU)
+// "deferred": also fp8.defer_expert_wgrad, the experts' weight gradients computed once per step
+// over the four micro-batches' rows side by side (one GEMM per expert, K = 4 x the rows; no
+// FP32 gradient read back), instead of a GEMM per micro-batch that adds into it.
+//
+// Usage: bench_moe [runs] [filter]   (needs a GPU; filter: only rows whose name contains it)
 //        bench_moe profile    one balanced BF16, one FP8 and one delayed-FP8 forward+backward between
 //                             cudaProfilerStart/Stop, for `ncu --profile-from-start off`
 #include <cuda_profiler_api.h>
@@ -49,6 +53,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -109,10 +114,14 @@ struct Case {
   bool step_start = false;   // the call starts a step: lazily zeroed gradients
   int micro_batches = 1;     // > 1: the call is a whole step of this many micro-batches
   bool cache_weights = false;  // with micro_batches > 1: fp8.cache_weights
+  bool defer_weight_grad = false;  // with cache_weights: fp8.defer_expert_wgrad
   bool profile = false;
 };
 
+const char* g_filter = "";  // run only the rows whose name contains it
+
 void run_case(const char* name, const std::vector<int64_t>& splits, int runs, int streams, const Case& c = {}) {
+  if (std::strstr(name, g_filter) == nullptr) return;
   const bool fp8 = c.fp8, profile = c.profile, step_start = c.step_start, delayed = c.delayed;
   set_grouped_gemm_streams(streams);
   Context ctx = Context::cuda(0);
@@ -139,6 +148,7 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
     MoEFp8Options options;
     options.keep_weight_transpose = c.keep_weight_transpose;
     if (c.cache_weights) options.weight_cache = std::make_shared<fp8::WeightCache>();
+    options.defer_weight_grad = c.defer_weight_grad;
     cache = options.weight_cache;
     if (delayed) {
       state = std::make_shared<fp8::DeviceDelayedScaling>(ctx, fp8::DelayedScalingConfig{}, mlp.delayed_roles());
@@ -189,7 +199,10 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
                                 mlp.backward_weight(ctx, dy, saved);
                                 if (state && m + 1 < micro) state->record(ctx);
                               }
-                              if (cache) cache->close();
+                              if (cache) {
+                                cache->flush(ctx);  // deferred weight gradients
+                                cache->close();
+                              }
                               if (state) state->update(ctx);  // the step's scale update
                             },
                             runs, 3) /
@@ -215,6 +228,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     const int runs = argc > 1 ? std::max(5, std::atoi(argv[1])) : 20;
+    if (argc > 2) g_filter = argv[2];
     cudaDeviceProp prop{};
     CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
     std::printf("tessera GroupedMLP on %s: %lld tokens top-%lld over %lld experts, hidden %lld, ffn %lld, BF16,\n"
@@ -269,6 +283,10 @@ int main(int argc, char** argv) {
     run_case("bal 4-micro step", balanced, runs, 1, bf16_4);
     run_case("bal fp8 delayed keepWt 4-micro step", balanced, runs, 1, uncached_4);
     run_case("bal fp8 delayed cached 4-micro step", balanced, runs, 1, cached_4);
+    // ... and the weight gradients deferred to the step's end (fp8.defer_expert_wgrad).
+    Case deferred_4 = cached_4;
+    deferred_4.defer_weight_grad = true;
+    run_case("bal fp8 delayed cached deferred 4-micro step", balanced, runs, 1, deferred_4);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe: %s\n", e.what());

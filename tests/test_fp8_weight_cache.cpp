@@ -67,3 +67,37 @@ TEST(Fp8WeightCache, ExpertsWithoutRowsInTheFirstMicroBatchAreCachedToo) {
   Context ctx = Context::cpu();
   expect_experts_cached_whatever_the_splits(ctx);
 }
+
+TEST(Fp8WeightCache, DeferredExpertWeightGradientsMatchThePerMicroBatchOnes) {
+  Context ctx = Context::cpu();
+  expect_deferred_expert_wgrad_matches(ctx);
+}
+
+TEST(Fp8WeightCache, DeferredExpertWeightGradientsTrainAlike) {
+  Context ctx = Context::cpu();
+  expect_deferred_expert_wgrad_trains_alike(ctx);
+}
+
+TEST(Fp8WeightCache, DeferralNeedsDelayedScalingAndItsWorkMustBeFlushed) {
+  EXPECT_THROW(fp8::Recipe::from_json({{"recipe", "current"}, {"defer_expert_wgrad", true}}), Error);
+  EXPECT_THROW(fp8::Recipe::from_json({{"recipe", "delayed"}, {"defer_expert_wgrad", true}, {"cache_weights", false}}),
+               Error);
+  const fp8::Recipe r = fp8::Recipe::from_json({{"recipe", "delayed"}, {"defer_expert_wgrad", true}});
+  EXPECT_TRUE(fp8::Recipe::from_json(r.to_json()).defer_expert_wgrad);
+  // Work deferred past the window is an error, not silently lost or late.
+  Context ctx = Context::cpu();
+  nn::Fp8Scaling scaling(ctx, r, 1);
+  scaling.begin_step(2);
+  int ran = 0;
+  scaling.weight_cache()->defer([&](Context&) { ++ran; });
+  EXPECT_THROW(scaling.begin_step(2), Error);
+  EXPECT_THROW(scaling.end_step(ctx), Error);
+  EXPECT_EQ(ran, 1);  // end_step still ran it, then said so
+  scaling.begin_step(2);
+  scaling.weight_cache()->defer([&](Context&) { ++ran; });
+  scaling.end_micro_batch(ctx);
+  EXPECT_EQ(ran, 1);
+  scaling.end_micro_batch(ctx);  // the last one: flushed before the optimizer
+  EXPECT_EQ(ran, 2);
+  EXPECT_FALSE(scaling.weight_cache()->is_open());
+}

@@ -26,3 +26,15 @@ TEST(GpuFp8WeightCache, ExpertsWithoutRowsInTheFirstMicroBatchAreCachedToo) {
   Context ctx = Context::cuda();
   expect_experts_cached_whatever_the_splits(ctx);
 }
+
+TEST(GpuFp8WeightCache, DeferredExpertWeightGradientsMatchThePerMicroBatchOnes) {
+  REQUIRE_GPU();
+  Context ctx = Context::cuda();
+  expect_deferred_expert_wgrad_matches(ctx);
+}
+
+TEST(GpuFp8WeightCache, DeferredExpertWeightGradientsTrainAlike) {
+  REQUIRE_GPU();
+  Context ctx = Context::cuda();
+  expect_deferred_expert_wgrad_trains_alike(ctx);
+}

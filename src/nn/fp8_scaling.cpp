@@ -88,6 +88,8 @@ std::shared_ptr<fp8::DeviceDelayedScaling> Fp8Scaling::make_expert_state(Context
 }
 
 void Fp8Scaling::begin_step(int64_t micro_batches) {
+  TESSERA_CHECK(!weight_cache_->has_deferred(), "Fp8Scaling::begin_step: the previous step's deferred weight ",
+                "gradients were never computed (end_micro_batch or end_step missing)");
   cached_micro_batches_left_ = recipe_.cache_weights && micro_batches > 1 ? micro_batches : 0;
   if (cached_micro_batches_left_ > 0) weight_cache_->open();
   else weight_cache_->close();
@@ -96,15 +98,23 @@ void Fp8Scaling::begin_step(int64_t micro_batches) {
 void Fp8Scaling::end_micro_batch(Context& ctx) {
   // After the step's last micro-batch nothing reads the casts again: they go before the
   // optimizer changes the weights, not only at end_step.
-  if (cached_micro_batches_left_ > 0 && --cached_micro_batches_left_ == 0) weight_cache_->close();
+  if (cached_micro_batches_left_ > 0 && --cached_micro_batches_left_ == 0) {
+    weight_cache_->flush(ctx);  // e.g. the experts' deferred weight gradients
+    weight_cache_->close();
+  }
   if (delayed_) delayed_->record(ctx);
   if (expert_delayed_) expert_delayed_->record(ctx);
 }
 
 void Fp8Scaling::end_step(Context& ctx) {
+  // Deferred work left here missed the optimizer: done now so the state stays whole, then an error.
+  const bool late = weight_cache_->has_deferred();
+  weight_cache_->flush(ctx);
   weight_cache_->close();
   if (delayed_) delayed_->update(ctx);
   if (expert_delayed_) expert_delayed_->update(ctx);
+  TESSERA_CHECK(!late, "Fp8Scaling::end_step: weight gradients were still deferred after the optimizer step (call ",
+                "end_micro_batch after each of the micro-batches begin_step announced)");
 }
 
 std::map<std::string, Tensor> Fp8Scaling::state_dict() const {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "tessera/core/stream.h"
 #include "tessera/ops/elementwise.h"
 
 namespace tessera::nn {
@@ -109,9 +110,78 @@ Tensor GroupedLinear::backward_input_fp8(Context& ctx, MoEFp8Rows dy, Fp8Saved& 
 void GroupedLinear::backward_weight_fp8(Context& ctx, const Fp8Saved& saved) {
   TESSERA_CHECK(saved.dy.data_t.defined() && saved.x.data_t.defined(), "GroupedLinear ", weight.name,
                 ": backward_weight_fp8 needs forward_fp8 and backward_input_fp8 first");
+  // Deferred to the step's end: one GEMM per expert over all micro-batches' rows instead of
+  // one per micro-batch that reads and rewrites the FP32 gradient. Only under delayed
+  // scaling, whose scales are the same in every micro-batch of the step.
+  if (fp8_ && fp8_->defer_weight_grad && fp8_->delayed && fp8_->weight_cache && fp8_->weight_cache->is_open()) {
+    if (deferred_.empty()) fp8_->weight_cache->defer([this](Context& c) { flush_weight_grad_fp8(c); });
+    Fp8Saved kept;
+    kept.dy = saved.dy;
+    kept.x = saved.x;
+    kept.dy.data = kept.x.data = Tensor();
+    deferred_.push_back(std::move(kept));
+    return;
+  }
   const bool overwrite = weight.begin_grad_write(ctx);  // the step's first gradient: beta 0
   Tensor dw = weight.grad.reshape({experts_, out_, in_});
   grouped_linear_backward_weight_fp8(ctx, saved.dy, saved.x, dw, /*accumulate=*/!overwrite);
+}
+
+namespace {
+
+// The micro-batches' transposed codes of one operand side by side: expert e's padded columns
+// of every micro-batch, in micro-batch order, then expert e + 1's. Each piece is a multiple
+// of 16 columns (zero codes in its padding), so the result is a MoEFp8Rows whose expert e
+// has the step's rows (splits summed) and whose padded widths add up likewise.
+MoEFp8Rows concatenate_columns(const std::vector<const MoEFp8Rows*>& parts) {
+  const MoEFp8Rows& first = *parts.front();
+  const size_t experts = first.splits.size();
+  MoEFp8Rows out;
+  out.dtype = first.dtype;
+  out.scale_inv = first.scale_inv;  // delayed scaling: the same value in every micro-batch
+  out.splits.assign(experts, 0);
+  out.padded_offsets.assign(experts + 1, 0);
+  for (size_t e = 0; e < experts; ++e) {
+    int64_t width = 0;
+    for (const MoEFp8Rows* p : parts) {
+      out.splits[e] += p->splits[e];
+      width += p->padded_offsets[e + 1] - p->padded_offsets[e];
+    }
+    out.padded_offsets[e + 1] = out.padded_offsets[e] + width;
+  }
+  out.data_t = Tensor::empty({first.data_t.size(0), out.padded_offsets[experts]}, first.dtype, first.data_t.device());
+  int64_t column = 0;
+  for (size_t e = 0; e < experts; ++e)
+    for (const MoEFp8Rows* p : parts) {
+      const int64_t from = p->padded_offsets[e], width = p->padded_offsets[e + 1] - from;
+      if (width == 0) continue;
+      out.data_t.slice(1, column, column + width).copy_from(p->data_t.slice(1, from, from + width));
+      column += width;
+    }
+  return out;
+}
+
+}  // namespace
+
+void GroupedLinear::flush_weight_grad_fp8(Context& ctx) {
+  if (deferred_.empty()) return;
+  std::vector<Fp8Saved> parts;
+  parts.swap(deferred_);  // whatever happens below, the next step starts clean
+  const bool overwrite = weight.begin_grad_write(ctx);
+  Tensor dw = weight.grad.reshape({experts_, out_, in_});
+  if (parts.size() == 1) {
+    grouped_linear_backward_weight_fp8(ctx, parts[0].dy, parts[0].x, dw, /*accumulate=*/!overwrite);
+    return;
+  }
+  std::vector<const MoEFp8Rows*> dys, xs;
+  for (const Fp8Saved& p : parts) {
+    dys.push_back(&p.dy);
+    xs.push_back(&p.x);
+  }
+  StreamGuard on_stream(ctx);  // the copies in order with the casts that made the codes
+  const MoEFp8Rows dy = concatenate_columns(dys), x = concatenate_columns(xs);
+  parts.clear();  // the per-micro-batch codes go before the GEMMs
+  grouped_linear_backward_weight_fp8(ctx, dy, x, dw, /*accumulate=*/!overwrite);
 }
 
 GroupedMLP::GroupedMLP(const std::string& name, int64_t num_experts, int64_t hidden, int64_t ffn, DType dtype)

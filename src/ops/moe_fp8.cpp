@@ -32,6 +32,7 @@ using namespace moe_detail;
 MoEFp8Options MoEFp8Options::from_recipe(const fp8::Recipe& recipe) {
   MoEFp8Options o;
   o.keep_weight_transpose = recipe.keep_weight_transpose;
+  o.defer_weight_grad = recipe.defer_expert_wgrad;
   if (const auto* c = std::get_if<fp8::CurrentScalingConfig>(&recipe.config)) {
     o.format = c->format;
     o.margin = c->margin;

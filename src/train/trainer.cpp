@@ -239,6 +239,10 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
                   "tensor = ", dist_run.tensor_size(), "): FP8 binds the single-device layers only; drop fp8 or use tensor 1");
     TESSERA_CHECK(dtype == DType::BF16, "train: the fp8 section needs BF16 compute (training.precision bf16, ",
                   "or auto on CUDA); this run computes in ", dtype_name(dtype));
+    // The deferred expert gradients appear after the last micro-batch's backward, where the
+    // gradient reduction of data (and pipeline) parallel runs has started already.
+    TESSERA_CHECK(!c.fp8->defer_expert_wgrad || dist_run.size() == 1, "config: fp8.defer_expert_wgrad runs on one ",
+                  "device only (this run has ", dist_run.size(), " ranks); drop it or run on one GPU");
     fp8_state = models::enable_fp8(ctx, model, *c.fp8);
   }
   // What a checkpoint's trainer state holds besides the weights and the optimizer: put back on
@@ -349,6 +353,10 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
         std::printf(" and the experts of %lld MoE layers%s", static_cast<long long>(moe_layers),
                     fp8_state->expert_state() ? " (per-expert delayed scales)" : " (per-expert current scales)");
       std::printf("\n");
+      if (t.grad_accum > 1 && c.fp8->cache_weights)
+        std::printf("train: FP8 weights cast once per step for its %lld micro-batches%s\n",
+                    static_cast<long long>(t.grad_accum),
+                    c.fp8->defer_expert_wgrad && moe_layers > 0 ? "; the experts' weight gradients at the step's end" : "");
     }
     std::printf("train: unigram entropy of the data %.3f nats/token (the loss of a model that ignores context)\n",
                 unigram_entropy(tokens, c.model.vocab_size));

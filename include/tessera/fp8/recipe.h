@@ -82,6 +82,14 @@ struct Recipe {
   // casting every time; 2 bytes per FP8 weight parameter held for the step. No effect with
   // one micro-batch a step.
   bool cache_weights = true;
+  // `defer_expert_wgrad` (delayed recipe only; default false): under gradient accumulation
+  // the MoE experts' weight gradients are computed once per step, at the last micro-batch,
+  // over every micro-batch's rows (one GEMM per expert with K = the step's rows, written with
+  // beta 0 or added once), instead of one GEMM per micro-batch that reads and rewrites the
+  // FP32 gradient. Holds each micro-batch's transposed FP8 codes of the experts' inputs and
+  // output gradients until the step's end (docs/ops/moe.md, "Deferred weight gradients").
+  // Needs cache_weights and a single-device run.
+  bool defer_expert_wgrad = false;
 
   std::string name() const;  // "delayed", "current", "block" or "mxfp8"
   // `where` names the section in error messages, e.g. "fp8" gives "fp8.margin".

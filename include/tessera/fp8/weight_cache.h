@@ -24,12 +24,21 @@
 // Cost: each cached weight keeps its row-wise and transposed codes (2 bytes per parameter)
 // from the first forward until the step ends, where the uncached path holds at most one
 // layer's. Not thread-safe: one cache per model, used by the thread that trains it.
+//
+// The same window carries work deferred to the step's last micro-batch (defer / flush): the
+// MoE experts' weight gradients under fp8.defer_expert_wgrad (nn::GroupedLinear), which are
+// computed once per step over every micro-batch's rows instead of once per micro-batch.
 #pragma once
 
 #include <any>
 #include <cstdint>
+#include <functional>
 #include <unordered_map>
 #include <utility>
+#include <vector>
+
+#include "tessera/core/context.h"
+#include "tessera/core/error.h"
 
 namespace tessera::fp8 {
 
@@ -37,13 +46,25 @@ class WeightCache {
  public:
   // Start of a step's micro-batches: entries made from now on serve the rest of the step.
   void open() {
+    TESSERA_CHECK(deferred_.empty(), "fp8::WeightCache: opened with deferred work not flushed");
     entries_.clear();
     open_ = true;
   }
   // End of the step (before the weights change): every entry goes, nothing is cached.
+  // Deferred work must have been flushed.
   void close() {
+    TESSERA_CHECK(deferred_.empty(), "fp8::WeightCache: closed with deferred work not flushed");
     entries_.clear();
     open_ = false;
+  }
+  // Work for the end of the window (while open), run by flush in the order deferred.
+  void defer(std::function<void(Context&)> work) { deferred_.push_back(std::move(work)); }
+  bool has_deferred() const { return !deferred_.empty(); }
+  // Runs the deferred work on ctx, then forgets it (also when a piece throws).
+  void flush(Context& ctx) {
+    std::vector<std::function<void(Context&)>> work;
+    work.swap(deferred_);
+    for (auto& w : work) w(ctx);
   }
   bool is_open() const { return open_; }
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
@@ -70,6 +91,7 @@ class WeightCache {
   bool open_ = false;
   int64_t hits_ = 0;
   std::unordered_map<const void*, std::any> entries_;
+  std::vector<std::function<void(Context&)>> deferred_;
 };
 
 }  // namespace tessera::fp8

@@ -55,7 +55,13 @@ class GroupedLinear {
   // e.g. by moe_swiglu_scaled_backward_quantize; it moves into saved.dy.
   Tensor backward_input_fp8(Context& ctx, MoEFp8Rows dy, Fp8Saved& saved) const;
   // dW += dy^T x per expert, into the F32 gradient (the caller frees saved afterwards).
+  // Deferred (MoEFp8Options::defer_weight_grad, delayed scaling, weight cache open): keeps
+  // saved's transposed codes and, at the first such call of the step, asks the cache to run
+  // flush_weight_grad_fp8 when the step's last micro-batch ends.
   void backward_weight_fp8(Context& ctx, const Fp8Saved& saved);
+  // The deferred gradient: every kept micro-batch's rows of expert e side by side in K (one
+  // copy of the codes), one GEMM per expert. Called by the weight cache's flush.
+  void flush_weight_grad_fp8(Context& ctx);
 
   int64_t num_experts() const { return experts_; }
   int64_t in_features() const { return in_; }
@@ -65,6 +71,7 @@ class GroupedLinear {
  private:
   int64_t experts_, in_, out_;
   std::optional<MoEFp8Options> fp8_;
+  std::vector<Fp8Saved> deferred_;  // the step's micro-batches awaiting flush_weight_grad_fp8
 };
 
 // fc: [gate | up] per expert (2 * ffn outputs), proj: ffn -> hidden. The routing

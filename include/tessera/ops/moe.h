@@ -186,6 +186,10 @@ struct MoEFp8Options {
   // micro-batches. Null or closed: cast in every forward. models::enable_fp8 passes the
   // model's Fp8Scaling::weight_cache().
   std::shared_ptr<fp8::WeightCache> weight_cache;
+  // fp8.defer_expert_wgrad (fp8/recipe.h): with delayed scaling and the weight cache open,
+  // nn::GroupedLinear keeps each micro-batch's transposed codes and computes the weight
+  // gradient once, when the cache flushes at the step's last micro-batch.
+  bool defer_weight_grad = false;
   static constexpr int64_t kDelayedInput = 0, kDelayedGradOutput = 1, kDelayedWeight = 2;
   static int64_t delayed_slots(int64_t experts) { return kDelayedWeight + experts; }
   // The roles of one GroupedLinear's slots, in order (for DeviceDelayedScaling's constructor).

@@ -37,6 +37,10 @@
 // Delayed scaling's one pass (2026-12-02, same tool): 1239 us, 49.5% of copy, 1.30x the two
 // passes but half the BF16 backward's bandwidth on the same reads: each 64 x 64 tile reads
 // 128 bytes from each of 64 rows and passes two barriers, where the row kernel streams rows.
+// ncu (inside bench_moe, 2026-12-02): 870 us, DRAM 56% of peak, L2 73%, SM 65%, 74-80
+// registers (3 blocks an SM, 37.5% occupancy). More occupancy does not help: capped at 64
+// registers (4 blocks) it ran 1272 us, at 48 (5 blocks, spilling) 1619 us, against 1239-1241
+// uncapped in the same run (bench_bandwidth).
 #include <cuda_bf16.h>
 
 #include <algorithm>
