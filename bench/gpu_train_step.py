@@ -195,7 +195,7 @@ def run_torch(name, batch, seq, compile_model, warmup, steps, clip=False):
 VOCAB = {"gpt2": 50257, "gpt2-v50304": 50304, "llama": 128256, "mixtral2": MIXTRAL2["vocab_size"]}
 
 
-def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False):
+def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, autotune=False):
     model = "llama3.2-1b" if name == "llama" else "gpt2-124m"
     if name == "mixtral2":
         model = json.dumps(dict(MIXTRAL2, architecture="mixtral", tie_embeddings=False,
@@ -205,9 +205,12 @@ def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False):
            "--vocab", str(VOCAB[name]), "--grad-clip", "1.0" if clip else "0"]
     if fp8:
         cmd += ["--fp8", fp8]
+    if autotune:
+        cmd += ["--gemm-autotune"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     result = json.loads(out)
-    result["impl"] = (f"tessera fp8 ({fp8} scaling)" if fp8 else "tessera bf16") + (" clip" if clip else "")
+    result["impl"] = ((f"tessera fp8 ({fp8} scaling)" if fp8 else "tessera bf16") + (" clip" if clip else "") +
+                      (" gemm-autotune" if autotune else ""))
     if name == "mixtral2":  # MFU over the active parameters, as for PyTorch's figure
         m, p = MIXTRAL2, result["params"]
         expert = 3 * m["num_layers"] * m["num_experts"] * m["hidden_size"] * m["intermediate_size"]
@@ -225,6 +228,8 @@ def main():
                     help="also time tessera with the blocks' linears in FP8 under this recipe (repeatable)")
     ap.add_argument("--clip", action="store_true",
                     help="clip gradients to global norm 1.0 in every implementation (default: none, in all)")
+    ap.add_argument("--gemm-autotune", action="store_true",
+                    help="also time tessera BF16 with its GEMM algorithms autotuned (training.gemm_autotune)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -233,6 +238,9 @@ def main():
     for name in args.models.split(","):
         batch, seq = shapes[name]
         results = [run_tessera(args.build, name, batch, seq, args.warmup, args.steps, clip=args.clip)]
+        if args.gemm_autotune:
+            results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, clip=args.clip,
+                                       autotune=True))
         for recipe in args.fp8:
             results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, fp8=recipe, clip=args.clip))
         results.append(run_torch(name, batch, seq, False, args.warmup, args.steps, clip=args.clip))

@@ -29,6 +29,7 @@
 #include "tessera/core/stream.h"
 #include "tessera/models/fp8_model.h"
 #include "tessera/nn/mlp.h"
+#include "tessera/ops/gemm.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/train/optimizer.h"
 #include "train/cuda_graph_step.h"
@@ -99,8 +100,13 @@ int main(int argc, char** argv) {
   app.add_flag("--eager-bias-grad", eager_bias_grad,
                "Clear the Linear biases' gradients at zero_grad (the bias-gradient epilogue then sums into a "
                "scratch vector that is added) instead of letting it write them (the default; for timing both)");
+  bool gemm_autotune_flag = false;
+  app.add_flag("--gemm-autotune", gemm_autotune_flag,
+               "Time cuBLASLt's candidate algorithms for each GEMM shape and keep the fastest "
+               "(training.gemm_autotune; the warm-up steps absorb the timing)");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (gemm_autotune_flag) set_gemm_autotune(true);
     models::ModelConfig config = named_or_json(model_json);
     if (vocab > 0) config.vocab_size = vocab;
     if (keep_activation) config.recompute_activation = false;
@@ -202,6 +208,7 @@ int main(int argc, char** argv) {
     if (cuda_graph) out.update(graph_info);
     if (eager_zero_grad) out["eager_zero_grad"] = true;
     if (eager_bias_grad) out["eager_bias_grad"] = true;
+    if (gemm_autotune()) out["gemm_autotune"] = true;
     out["grad_clip"] = grad_clip;
     if (const char* rows = std::getenv("TESSERA_HEAD_CHUNK_ROWS")) out["head_chunk_rows"] = rows;
 #if TESSERA_WITH_CUDA

@@ -57,7 +57,7 @@ void add_train_commands(CLI::App& app) {
   static std::string config_path;
   static std::vector<std::string> overrides;
   static std::vector<std::string> resume;
-  static std::string device, precision, attention_backend, deterministic_attention, cuda_graph;
+  static std::string device, precision, attention_backend, deterministic_attention, gemm_autotune, cuda_graph;
   CLI::App* train_cmd = app.add_subcommand("train", "Train a model from a YAML/JSON config (see docs/training.md)");
   train_cmd->footer(
       "Several ranks (data and tensor parallelism, docs/distributed.md): `mpirun -np N tessera train CONFIG` (one or many hosts) "
@@ -88,6 +88,11 @@ void add_train_commands(CLI::App& app) {
                         "summed with FP32 atomics, faster, last bits vary between runs "
                         "(same as --set training.deterministic_attention=...)")
       ->check(CLI::IsMember({"true", "false"}));
+  train_cmd->add_option("--gemm-autotune", gemm_autotune,
+                        "true: on CUDA, time cuBLASLt's candidate algorithms for each GEMM shape once and keep the "
+                        "fastest (the last bits may then vary between runs); false (the default): the heuristic's "
+                        "first choice, as PyTorch (same as --set training.gemm_autotune=...)")
+      ->check(CLI::IsMember({"true", "false"}));
   train_cmd->add_option("--cuda-graph", cuda_graph,
                         "Capture the training step into a CUDA graph: auto (when the run can be), on or off "
                         "(same as --set training.cuda_graph=...)")
@@ -100,6 +105,7 @@ void add_train_commands(CLI::App& app) {
     if (!attention_backend.empty()) train::apply_override(j, "training.attention_backend=" + attention_backend);
     if (!deterministic_attention.empty())
       train::apply_override(j, "training.deterministic_attention=" + deterministic_attention);
+    if (!gemm_autotune.empty()) train::apply_override(j, "training.gemm_autotune=" + gemm_autotune);
     if (!cuda_graph.empty()) train::apply_override(j, "training.cuda_graph=" + cuda_graph);
     train::TrainOptions options;
     if (resume_opt->count() > 0) {

@@ -1,6 +1,8 @@
 #include "tessera/ops/gemm.h"
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 
 #include "backend/cpu/gemm.h"
 #include "tessera/core/stream.h"
@@ -8,6 +10,7 @@
 #include "tessera/ops/elementwise.h"
 #include "dispatch.h"
 #if TESSERA_WITH_CUDA
+#include "backend/cuda/cublaslt_state.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/reduce.h"
 #endif
@@ -199,6 +202,35 @@ void sum_of_squares(Context& ctx, const Tensor& x, Tensor& out) {
     fail_no_kernel(op, ctx);
   }
   cpu::sum_of_squares(x, out);
+}
+
+namespace {
+std::atomic<int> g_gemm_autotune{-1};  // -1: not read from the environment yet
+}  // namespace
+
+void set_gemm_autotune(bool on) { g_gemm_autotune.store(on ? 1 : 0); }
+
+bool gemm_autotune() {
+  int value = g_gemm_autotune.load();
+  if (value < 0) {
+    int initial = 0;
+    if (const char* env = std::getenv("TESSERA_GEMM_AUTOTUNE"); env && *env) {
+      const std::string v = env;
+      TESSERA_CHECK(v == "0" || v == "1", "environment variable TESSERA_GEMM_AUTOTUNE must be 0 or 1, got \"", v, "\"");
+      initial = v == "1" ? 1 : 0;
+    }
+    g_gemm_autotune.compare_exchange_strong(value, initial);
+    value = g_gemm_autotune.load();
+  }
+  return value == 1;
+}
+
+std::vector<std::string> gemm_autotune_log() {
+#if TESSERA_WITH_CUDA
+  return cuda::lt_autotune_log();
+#else
+  return {};
+#endif
 }
 
 }  // namespace tessera

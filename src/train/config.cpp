@@ -207,7 +207,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
   if (j.contains("training")) {
     const auto& t = j.at("training");
     check_keys(t, "training", {"steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches",
-                               "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "precision", "attention_backend", "deterministic_attention", "cuda_graph", "max_minutes",
+                               "checkpoint_interval", "log_interval", "seed", "out_dir", "device", "precision", "attention_backend", "deterministic_attention", "gemm_autotune", "cuda_graph", "max_minutes",
                                "sample_prompt", "sample_tokens", "init_from", "checkpoint_keep_last", "checkpoint_keep_every",
                                "async_checkpoint", "skip_data_at_steps", "rewind", "fault_injection", "global_batch_size",
                                "parallel"});
@@ -234,6 +234,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     read(t, "training.", "precision", c.training.precision);
     read(t, "training.", "attention_backend", c.training.attention_backend);
     read(t, "training.", "deterministic_attention", c.training.deterministic_attention);
+    read(t, "training.", "gemm_autotune", c.training.gemm_autotune);
     if (t.contains("cuda_graph") && t.at("cuda_graph").is_boolean())  // `cuda_graph: true` reads as on
       c.training.cuda_graph = t.at("cuda_graph").get<bool>() ? "on" : "off";
     else
@@ -335,7 +336,8 @@ nlohmann::json RunConfig::to_json() const {
                         {"log_interval", training.log_interval}, {"seed", training.seed}, {"out_dir", training.out_dir},
                         {"device", training.device}, {"precision", training.precision},
                         {"attention_backend", training.attention_backend},
-                        {"deterministic_attention", training.deterministic_attention}, {"cuda_graph", training.cuda_graph},
+                        {"deterministic_attention", training.deterministic_attention},
+                        {"gemm_autotune", training.gemm_autotune}, {"cuda_graph", training.cuda_graph},
                         {"max_minutes", training.max_minutes},
                         {"init_from", training.init_from}, {"sample_prompt", training.sample_prompt}, {"sample_tokens", training.sample_tokens},
                         {"checkpoint_keep_last", training.checkpoint_keep_last},

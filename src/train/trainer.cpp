@@ -24,6 +24,7 @@
 #include "tessera/models/hf_convert.h"
 #include "tessera/models/transformer_lm.h"
 #include "tessera/ops/attention.h"
+#include "tessera/ops/gemm.h"
 #include "tessera/train/checkpoint.h"
 #include "tessera/train/optimizer.h"
 #include "train/async_checkpoint.h"
@@ -218,6 +219,8 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
   // "auto" leaves the process default alone, which TESSERA_ATTENTION_BACKEND may have set.
   if (t.attention_backend != "auto") set_attention_backend(parse_attention_backend(t.attention_backend));
   set_attention_deterministic(t.deterministic_attention);
+  // false leaves the process default alone, which TESSERA_GEMM_AUTOTUNE may have set.
+  if (t.gemm_autotune) set_gemm_autotune(true);
   models::TransformerLM model(c.model, dtype, dist_run.parallel_context());
   model.to(ctx.device);
   model.init(ctx, t.seed);

@@ -12,6 +12,9 @@
 // The last two in one call, and on CUDA one cuBLASLt GEMM: linear_weight_grad(dy, x, dW, db).
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "tessera/core/context.h"
 #include "tessera/core/tensor.h"
 
@@ -81,5 +84,24 @@ void linear_weight_grad(Context& ctx, const Tensor& dy, const Tensor& x, Tensor&
 // the result does not depend on the number of threads. Square root of the sum over all
 // gradients gives the global gradient norm used for clipping.
 void sum_of_squares(Context& ctx, const Tensor& x, Tensor& out);
+
+// GEMM autotuning on CUDA (the cuBLASLt GEMMs of gemm, linear_weight_grad and fp8_gemm).
+// Off (the default), every shape runs the algorithm cuBLASLt's heuristic ranks first, which
+// is what PyTorch runs. On, the second call of each shape (shape, strides, dtypes, epilogue,
+// beta, alignment) times the heuristic's first eight candidates on the call's own operands
+// (CUDA events, best of three rounds) and keeps the fastest when it beats the first by more
+// than 1%; the call then runs as usual, so results are those of the chosen algorithm. A
+// GEMM that reads c (beta != 0) is timed into a scratch output (cudaMalloc'd and freed, so
+// it stays out of the caching allocator); others into c, which the real call overwrites.
+// Nothing is timed while a stream is being captured into a CUDA graph, and at most 512
+// shapes per device are tuned (MoE experts' row counts change every step).
+// Because the choice comes from timing, two runs may pick different algorithms and so
+// differ in the last bits; leave it off where runs must be bit-identical.
+// The initial setting comes from the environment variable TESSERA_GEMM_AUTOTUNE (0 or 1);
+// `tessera train` sets it from training.gemm_autotune.
+void set_gemm_autotune(bool on);
+bool gemm_autotune();
+// One line per tuned shape, in order (empty on the CPU and while autotuning is off).
+std::vector<std::string> gemm_autotune_log();
 
 }  // namespace tessera

@@ -90,6 +90,7 @@ struct TrainingConfig {
   std::string attention_backend = "auto";  // CUDA attention: auto (faster per shape), tessera, cudnn
   std::string cuda_graph = "auto";  // capture the step into a CUDA graph: auto (when it can be), on, off
   bool deterministic_attention = true;  // bitwise-repeatable CUDA attention backward; false: atomic dQ, faster
+  bool gemm_autotune = false;  // CUDA: time cuBLASLt's candidate algorithms per GEMM shape, keep the fastest
   double max_minutes = 0;         // stop (and checkpoint) after this long; 0: no limit
   std::string init_from;          // start from these weights: a tessera checkpoint or run dir, or a Hugging Face dir
   std::string sample_prompt;      // printed with a sample at the end when non-empty

@@ -1,9 +1,16 @@
 // See cublaslt_state.h.
 #include "cublaslt_state.h"
 
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
 #include <mutex>
 
+#include "cuda_check.h"
 #include "stream_fan.h"
+#include "tessera/ops/gemm.h"
 
 namespace tessera::cuda {
 
@@ -30,6 +37,96 @@ void* lt_workspace(LtState& state, int device, void* stream) {
   Tensor& w = state.side_workspaces[side];
   if (!w.defined()) w = Tensor::empty({static_cast<int64_t>(kLtWorkspaceBytes)}, DType::U8, Device::cuda(device));
   return w.raw_data();
+}
+
+namespace {
+
+std::mutex autotune_mutex;
+std::vector<std::string> autotune_lines;  // guarded by autotune_mutex
+int tuned_shapes[64] = {};                // per device, guarded by autotune_mutex
+
+}  // namespace
+
+bool lt_should_tune(int device, void* stream, int uses) {
+  if (uses < 2 || !gemm_autotune()) return false;  // one-off shapes (a last partial batch) keep the heuristic
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TESSERA_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture));
+  if (capture != cudaStreamCaptureStatusNone) return false;  // timing would break the capture: tune later
+  std::lock_guard<std::mutex> lock(autotune_mutex);
+  if (device < 0 || device >= 64 || tuned_shapes[device] >= kLtTunedShapesMax) return false;
+  if (++tuned_shapes[device] == kLtTunedShapesMax) {
+    std::fprintf(stderr, "tessera: gemm autotune: %d shapes tuned on device %d; new shapes keep the heuristic's choice\n",
+                 kLtTunedShapesMax, device);
+  }
+  return true;
+}
+
+void lt_autotune_note(const std::string& line) {
+  std::lock_guard<std::mutex> lock(autotune_mutex);
+  autotune_lines.push_back(line);
+}
+
+std::vector<std::string> lt_autotune_log() {
+  std::lock_guard<std::mutex> lock(autotune_mutex);
+  return autotune_lines;
+}
+
+int lt_pick_fastest(void* stream, int count, const std::function<bool(int)>& launch, const std::string& what) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  // Each candidate: one untimed run (its first launch loads the kernel), then three rounds
+  // of two runs between events, interleaved with the others so that clock drift spreads
+  // evenly; a candidate's figure is its best round.
+  constexpr int kRounds = 3, kRunsPerRound = 2;
+  std::vector<float> best(count, std::numeric_limits<float>::infinity());
+  std::vector<bool> runs(count, false);
+  for (int i = 0; i < count; ++i) runs[i] = launch(i);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  TESSERA_CUDA_CHECK(cudaEventCreate(&start));
+  TESSERA_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int round = 0; round < kRounds; ++round) {
+    for (int i = 0; i < count; ++i) {
+      if (!runs[i]) continue;
+      TESSERA_CUDA_CHECK(cudaEventRecord(start, s));
+      for (int r = 0; r < kRunsPerRound && runs[i]; ++r) runs[i] = launch(i);
+      TESSERA_CUDA_CHECK(cudaEventRecord(stop, s));
+      TESSERA_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      TESSERA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      if (runs[i]) best[i] = std::min(best[i], ms / kRunsPerRound);
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  int fastest = 0;
+  for (int i = 1; i < count; ++i)
+    if (runs[i] && best[i] < best[fastest]) fastest = i;
+  if (!runs[0]) {
+    // The heuristic's own first choice failed to launch here: keep whichever ran.
+  } else if (best[fastest] > 0.99f * best[0]) {
+    fastest = 0;
+  }
+  char line[160];
+  if (fastest == 0) {
+    std::snprintf(line, sizeof(line), ": heuristic's choice kept (%.3f ms; %d candidates)", best[0], count);
+  } else {
+    std::snprintf(line, sizeof(line), ": candidate %d, %.3f ms against the heuristic's %.3f ms (%.3fx)", fastest,
+                  best[fastest], best[0], best[0] / best[fastest]);
+    std::fprintf(stderr, "tessera: gemm autotune: %s%s\n", what.c_str(), line);
+  }
+  lt_autotune_note(what + line);
+  return fastest;
+}
+
+LtScratch::LtScratch(size_t bytes) {
+  if (bytes == 0) return;
+  if (cudaMalloc(&ptr_, bytes) != cudaSuccess) {
+    ptr_ = nullptr;
+    cudaGetLastError();  // clear the sticky-free allocation error
+  }
+}
+
+LtScratch::~LtScratch() {
+  if (ptr_ != nullptr) cudaFree(ptr_);
 }
 
 }  // namespace tessera::cuda

@@ -7,6 +7,9 @@
 #include <cublasLt.h>
 
 #include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
 
 #include "tessera/core/error.h"
 #include "tessera/core/tensor.h"
@@ -34,5 +37,33 @@ void* lt_workspace(LtState& state, int device, void* stream);
 
 // One handle and workspace per device, made on first use and kept for the process.
 LtState& lt_state(int device);
+
+// GEMM autotuning (tessera::gemm_autotune(), ops/gemm.h), shared by gemm.cu and gemm_fp8.cu.
+// Each plan asks the heuristic for up to kLtCandidates algorithms; lt_should_tune says
+// whether a plan used `uses` times should be timed now (autotuning on, second use, the
+// stream not capturing, the device's budget of kLtTunedShapesMax not spent: it takes one);
+// lt_pick_fastest times launch(i) for each candidate on the stream (launch returns false
+// where the candidate fails) and returns the index to keep, 0 (the heuristic's first) unless
+// another is more than 1% faster, and logs a line naming `what`.
+constexpr int kLtCandidates = 8;
+constexpr int kLtTunedShapesMax = 512;
+bool lt_should_tune(int device, void* stream, int uses);
+int lt_pick_fastest(void* stream, int count, const std::function<bool(int)>& launch, const std::string& what);
+std::vector<std::string> lt_autotune_log();
+void lt_autotune_note(const std::string& line);  // a line for the log without timing (e.g. no scratch memory)
+
+// Device memory outside the caching allocator, for an autotuned GEMM's scratch output: it
+// is freed when the tuning ends, so it never stays cached. Null if cudaMalloc fails.
+class LtScratch {
+ public:
+  explicit LtScratch(size_t bytes);
+  ~LtScratch();
+  LtScratch(const LtScratch&) = delete;
+  LtScratch& operator=(const LtScratch&) = delete;
+  void* get() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+};
 
 }  // namespace tessera::cuda

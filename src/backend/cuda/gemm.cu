@@ -13,7 +13,8 @@
 //
 // Plans are cached per shape: the descriptors and the algorithm the heuristic picked for
 // (shape, transposes, dtypes, epilogue, pointer alignment) are made once, so a training
-// step spends no host time in the heuristic. Speed against cuBLAS through PyTorch: the
+// step spends no host time in the heuristic. With autotuning on (tessera::gemm_autotune)
+// the plan's second use times the heuristic's candidates and keeps the fastest. Speed against cuBLAS through PyTorch: the
 // GEMM shapes of GPT-2 and Llama in bench/RESULTS.md.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -21,6 +22,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "cuda_backend.h"
 #include "cuda_check.h"
@@ -82,6 +84,9 @@ struct Plan {
   cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool has_algo = false;
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first (algo is one of them)
+  int uses = 0;
+  bool tuned = false;
 };
 
 cublasLtEpilogue_t epilogue_of(GemmEpilogue e, bool has_bias) {
@@ -135,14 +140,15 @@ Plan make_plan(cublasLtHandle_t handle, const PlanKey& key, const Tensor& a, con
                                                             sizeof(key.align_c)));
   TESSERA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c,
                                                             sizeof(key.align_c)));
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kLtCandidates] = {};
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.first, plan.second, plan.out,
-                                                               plan.out, pref, 1, &result, &found);
+                                                               plan.out, pref, kLtCandidates, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
-    plan.algo = result.algo;
+    plan.algo = results[0].algo;
     plan.has_algo = true;
+    for (int i = 0; i < found; ++i) plan.candidates.push_back(results[i].algo);
   }
   return plan;
 }
@@ -182,6 +188,48 @@ PlanKey plan_key(const Tensor& a, const Tensor& b, const Tensor& c, bool transpo
 }
 
 std::mutex plans_mutex;
+
+const char* epilogue_name(GemmEpilogue e) {
+  switch (e) {
+    case GemmEpilogue::Gelu: return ", GELU epilogue";
+    case GemmEpilogue::GeluBackward: return ", GELU-backward epilogue";
+    case GemmEpilogue::BiasGrad: return ", bias-gradient epilogue";
+    case GemmEpilogue::None: break;
+  }
+  return "";
+}
+
+// Times the plan's candidates on this call's operands (lt_pick_fastest) and keeps the
+// fastest. With beta = 0 they write c, which the call that follows overwrites; otherwise c
+// is an input, so they write a scratch output of c's footprint instead.
+void tune(Plan& plan, LtState& state, void* stream, const PlanKey& key, const Tensor& a, const Tensor& b,
+          const Tensor& c, float alpha, float beta) {
+  const std::string what = detail::concat("M ", key.m, " N ", key.n, " K ", key.k, ", a ", dtype_name(key.a),
+                               key.transpose_a ? " (T)" : "", ", b ", dtype_name(key.b), key.transpose_b ? " (T)" : "",
+                               ", c ", dtype_name(key.c), key.beta_zero ? "" : ", beta != 0",
+                               key.has_bias ? ", bias" : "", epilogue_name(key.epilogue));
+  if (plan.candidates.size() == 1) {
+    lt_autotune_note(what + ": the heuristic offers one algorithm; nothing to time");
+    return;
+  }
+  const size_t c_bytes = static_cast<size_t>((key.m - 1) * key.ldc + key.n) * dtype_size(key.c);
+  LtScratch scratch(key.beta_zero ? 0 : c_bytes);
+  if (!key.beta_zero && scratch.get() == nullptr) {
+    lt_autotune_note(what + ": no device memory for a scratch output; heuristic's choice kept");
+    return;
+  }
+  void* d = key.beta_zero ? c.raw_data() : scratch.get();
+  void* workspace = lt_workspace(state, c.device().index, stream);
+  const int pick = lt_pick_fastest(
+      stream, static_cast<int>(plan.candidates.size()),
+      [&](int i) {
+        return cublasLtMatmul(state.handle, plan.desc, &alpha, b.raw_data(), plan.first, a.raw_data(), plan.second,
+                              &beta, c.raw_data(), plan.out, d, plan.out, &plan.candidates[i], workspace,
+                              kWorkspaceBytes, static_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
+      },
+      what);
+  plan.algo = plan.candidates[pick];
+}
 
 // The cached plan for a key, made on first use. Call with plans_mutex held; plans are never
 // erased, so the reference stays valid.
@@ -224,6 +272,10 @@ void gemm(void* stream, const Tensor& a, const Tensor& b, Tensor& c, bool transp
     const void* aux_ptr = aux.raw_data();
     TESSERA_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux_ptr, sizeof(aux_ptr)));
+  }
+  if (!plan.tuned && !plan.candidates.empty() && lt_should_tune(key.device, stream, ++plan.uses)) {
+    plan.tuned = true;
+    tune(plan, state, stream, key, a, b, c, alpha, beta);
   }
   const cublasStatus_t status =
       cublasLtMatmul(state.handle, plan.desc, &alpha, b.raw_data(), plan.first, a.raw_data(), plan.second, &beta,

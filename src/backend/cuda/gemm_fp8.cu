@@ -12,7 +12,8 @@
 //
 // Plans (descriptors + the heuristic's algorithm) are cached per (shape, leading dims, dtypes,
 // scale modes, epilogue, output scaling, fast accumulation, pointer alignment), as gemm.cu
-// does. It shares the device's cuBLASLt handle and workspaces (cublaslt_state.h).
+// does. It shares the device's cuBLASLt handle and workspaces (cublaslt_state.h), and is
+// autotuned like gemm.cu when tessera::gemm_autotune() is on.
 //
 // Floor: 2MNK FLOPs at H200's dense FP8 peak (~1979 TFLOP/s), e.g. 8192 x 4096 x 4096 in
 // ~0.14 ms; the two helper kernels move a few KiB to a few MiB of scales (negligible).
@@ -25,6 +26,7 @@
 #include <mutex>
 #include <sstream>
 #include <tuple>
+#include <vector>
 
 #include "cublaslt_state.h"
 #include "cuda_check.h"
@@ -189,6 +191,9 @@ struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t first = nullptr, second = nullptr, c_layout = nullptr, d_layout = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first (autotuning)
+  int uses = 0;
+  bool tuned = false;
 };
 
 void destroy(Plan& plan) {
@@ -268,15 +273,16 @@ Plan make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Operand& a,
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_a, sizeof(key.align_a));
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof(key.align_c));
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof(key.align_c));
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t results[kLtCandidates] = {};
     int found = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.first, plan.second,
-                                                                 plan.c_layout, plan.d_layout, pref, 1, &result, &found);
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+        handle, plan.desc, plan.first, plan.second, plan.c_layout, plan.d_layout, pref, kLtCandidates, results, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     TESSERA_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0, "fp8_gemm on CUDA: cuBLASLt has no algorithm (",
                   status == CUBLAS_STATUS_SUCCESS ? "no result" : cublasGetStatusString(status), ") for ",
                   describe_call(key));
-    plan.algo = result.algo;
+    plan.algo = results[0].algo;
+    for (int i = 0; i < found; ++i) plan.candidates.push_back(results[i].algo);
   } catch (...) {
     destroy(plan);
     throw;
@@ -340,9 +346,35 @@ void fp8_gemm(void* stream, const Fp8Operand& a, const Fp8Operand& b, Tensor& c,
   } else {
     set_pointers(it->second, a, b, p);  // descriptors are only touched under the lock
   }
-  const Plan& plan = it->second;
+  Plan& plan = it->second;
   // An FP8 D has no C (beta is 0): Transformer Engine passes none either.
   const void* c_in = c.dtype() == DType::E4M3 ? nullptr : c.raw_data();
+  if (!plan.tuned && !plan.candidates.empty() && lt_should_tune(device, stream, ++plan.uses)) {
+    plan.tuned = true;
+    // As gemm.cu's tune: beta = 0 candidates write c (overwritten by the call below, amax
+    // included), beta != 0 ones a scratch output of c's footprint.
+    const std::string what = "fp8 " + describe_call(key);
+    const size_t c_bytes = static_cast<size_t>((m - 1) * key.ldc + n) * dtype_size(c.dtype());
+    LtScratch scratch(key.beta_zero || plan.candidates.size() == 1 ? 0 : c_bytes);
+    if (plan.candidates.size() == 1) {
+      lt_autotune_note(what + ": the heuristic offers one algorithm; nothing to time");
+    } else if (!key.beta_zero && scratch.get() == nullptr) {
+      lt_autotune_note(what + ": no device memory for a scratch output; heuristic's choice kept");
+    } else {
+      void* d = key.beta_zero ? c.raw_data() : scratch.get();
+      void* workspace = lt_workspace(state, device, stream);
+      const int pick = lt_pick_fastest(
+          stream, static_cast<int>(plan.candidates.size()),
+          [&](int i) {
+            return cublasLtMatmul(state.handle, plan.desc, &p.alpha, b.data.raw_data(), plan.first,
+                                  a.data.raw_data(), plan.second, &p.beta, c_in, plan.c_layout, d, plan.d_layout,
+                                  &plan.candidates[i], workspace, kWorkspaceBytes,
+                                  static_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
+          },
+          what);
+      plan.algo = plan.candidates[pick];
+    }
+  }
   const cublasStatus_t status =
       cublasLtMatmul(state.handle, plan.desc, &p.alpha, b.data.raw_data(), plan.first, a.data.raw_data(), plan.second,
                      &p.beta, c_in, plan.c_layout, c.raw_data(), plan.d_layout, &plan.algo,
