@@ -361,6 +361,9 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
                     static_cast<long long>(t.grad_accum),
                     c.fp8->defer_expert_wgrad && moe_layers > 0 ? "; the experts' weight gradients at the step's end" : "");
     }
+    if (gemm_autotune() && ctx.device.is_cuda())
+      std::printf("train: GEMM autotuning on: each GEMM shape's cuBLASLt algorithm is timed at its second call "
+                  "(stderr names the shapes whose choice changed)\n");
     std::printf("train: unigram entropy of the data %.3f nats/token (the loss of a model that ignores context)\n",
                 unigram_entropy(tokens, c.model.vocab_size));
   }
