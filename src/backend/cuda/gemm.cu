@@ -14,8 +14,8 @@
 // Plans are cached per shape: the descriptors and the algorithm the heuristic picked for
 // (shape, transposes, dtypes, epilogue, pointer alignment) are made once, so a training
 // step spends no host time in the heuristic. With autotuning on (tessera::gemm_autotune)
-// the plan's second use times the heuristic's candidates and keeps the fastest. Speed against cuBLAS through PyTorch: the
-// GEMM shapes of GPT-2 and Llama in bench/RESULTS.md.
+// the plan's second use times the heuristic's candidates and keeps the fastest. Speed
+// against cuBLAS through PyTorch: the GEMM shapes of GPT-2 and Llama in bench/RESULTS.md.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
