@@ -45,33 +45,35 @@ std::mutex autotune_mutex;
 std::vector<std::string> autotune_lines;  // guarded by autotune_mutex
 int tuned_shapes[64] = {};                // per device, guarded by autotune_mutex
 
-}  // namespace
-
-bool lt_should_tune(int device, void* stream, int uses) {
-  if (uses < 2 || !gemm_autotune()) return false;  // one-off shapes (a last partial batch) keep the heuristic
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  TESSERA_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture));
-  if (capture != cudaStreamCaptureStatusNone) return false;  // timing would break the capture: tune later
-  std::lock_guard<std::mutex> lock(autotune_mutex);
-  if (device < 0 || device >= 64 || tuned_shapes[device] >= kLtTunedShapesMax) return false;
-  if (++tuned_shapes[device] == kLtTunedShapesMax) {
-    std::fprintf(stderr, "tessera: gemm autotune: %d shapes tuned on device %d; new shapes keep the heuristic's choice\n",
-                 kLtTunedShapesMax, device);
-  }
-  return true;
-}
-
-void lt_autotune_note(const std::string& line) {
+void autotune_note(const std::string& line) {
   std::lock_guard<std::mutex> lock(autotune_mutex);
   autotune_lines.push_back(line);
 }
 
-std::vector<std::string> lt_autotune_log() {
-  std::lock_guard<std::mutex> lock(autotune_mutex);
-  return autotune_lines;
-}
+// Device memory outside the caching allocator for the candidates' scratch output: freed when
+// the tuning ends, so it never stays cached. Null if cudaMalloc fails.
+class Scratch {
+ public:
+  explicit Scratch(size_t bytes) {
+    if (bytes == 0) return;
+    if (cudaMalloc(&ptr_, bytes) != cudaSuccess) {
+      ptr_ = nullptr;
+      cudaGetLastError();  // clear the failed allocation's error
+    }
+  }
+  ~Scratch() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  void* get() const { return ptr_; }
 
-int lt_pick_fastest(void* stream, int count, const std::function<bool(int)>& launch, const std::string& what) {
+ private:
+  void* ptr_ = nullptr;
+};
+
+// Each candidate: one untimed run, then timed rounds; see lt_tune.
+int pick_fastest(void* stream, int count, const std::function<bool(int)>& launch, const std::string& what) {
   const auto s = static_cast<cudaStream_t>(stream);
   // Each candidate: one untimed run (its first launch loads the kernel), then three rounds
   // of two runs between events, interleaved with the others so that clock drift spreads
@@ -113,20 +115,44 @@ int lt_pick_fastest(void* stream, int count, const std::function<bool(int)>& lau
                   best[fastest], best[0], best[0] / best[fastest]);
     std::fprintf(stderr, "tessera: gemm autotune: %s%s\n", what.c_str(), line);
   }
-  lt_autotune_note(what + line);
+  autotune_note(what + line);
   return fastest;
 }
 
-LtScratch::LtScratch(size_t bytes) {
-  if (bytes == 0) return;
-  if (cudaMalloc(&ptr_, bytes) != cudaSuccess) {
-    ptr_ = nullptr;
-    cudaGetLastError();  // clear the sticky-free allocation error
+}  // namespace
+
+bool lt_should_tune(int device, void* stream, int uses) {
+  if (uses < 2 || !gemm_autotune()) return false;  // one-off shapes (a last partial batch) keep the heuristic
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TESSERA_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture));
+  if (capture != cudaStreamCaptureStatusNone) return false;  // timing would break the capture: tune later
+  std::lock_guard<std::mutex> lock(autotune_mutex);
+  if (device < 0 || device >= 64 || tuned_shapes[device] >= kLtTunedShapesMax) return false;
+  if (++tuned_shapes[device] == kLtTunedShapesMax) {
+    std::fprintf(stderr, "tessera: gemm autotune: %d shapes tuned on device %d; new shapes keep the heuristic's choice\n",
+                 kLtTunedShapesMax, device);
   }
+  return true;
 }
 
-LtScratch::~LtScratch() {
-  if (ptr_ != nullptr) cudaFree(ptr_);
+std::vector<std::string> lt_autotune_log() {
+  std::lock_guard<std::mutex> lock(autotune_mutex);
+  return autotune_lines;
+}
+
+int lt_tune(void* stream, int count, bool beta_zero, void* out, size_t out_bytes,
+            const std::function<bool(int, void*)>& launch, const std::string& what) {
+  if (count <= 1) {
+    autotune_note(what + ": the heuristic offers one algorithm; nothing to time");
+    return 0;
+  }
+  Scratch scratch(beta_zero ? 0 : out_bytes);
+  if (!beta_zero && scratch.get() == nullptr) {
+    autotune_note(what + ": no device memory for a scratch output; heuristic's choice kept");
+    return 0;
+  }
+  void* d = beta_zero ? out : scratch.get();
+  return pick_fastest(stream, count, [&](int i) { return launch(i, d); }, what);
 }
 
 }  // namespace tessera::cuda

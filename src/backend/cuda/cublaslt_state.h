@@ -41,29 +41,20 @@ LtState& lt_state(int device);
 // GEMM autotuning (tessera::gemm_autotune(), ops/gemm.h), shared by gemm.cu and gemm_fp8.cu.
 // Each plan asks the heuristic for up to kLtCandidates algorithms; lt_should_tune says
 // whether a plan used `uses` times should be timed now (autotuning on, second use, the
-// stream not capturing, the device's budget of kLtTunedShapesMax not spent: it takes one);
-// lt_pick_fastest times launch(i) for each candidate on the stream (launch returns false
-// where the candidate fails) and returns the index to keep, 0 (the heuristic's first) unless
-// another is more than 1% faster, and logs a line naming `what`.
+// stream not capturing, the device's budget of kLtTunedShapesMax not spent: it takes one).
 constexpr int kLtCandidates = 8;
 constexpr int kLtTunedShapesMax = 512;
 bool lt_should_tune(int device, void* stream, int uses);
-int lt_pick_fastest(void* stream, int count, const std::function<bool(int)>& launch, const std::string& what);
+
+// Times `count` candidate algorithms of one GEMM on the stream and returns the index to
+// keep: 0 (the heuristic's first) unless another is more than 1% faster, also 0 when there
+// is nothing to time (one candidate, or no memory for a scratch output). launch(i, d) runs
+// candidate i writing its output to d and returns false where it fails. With beta_zero the
+// candidates write `out` itself (the caller's own call, after, overwrites it); otherwise out
+// is also an input, so they write a scratch buffer of out_bytes, cudaMalloc'ed outside the
+// caching allocator and freed before returning. Logs a line naming `what`.
+int lt_tune(void* stream, int count, bool beta_zero, void* out, size_t out_bytes,
+            const std::function<bool(int, void*)>& launch, const std::string& what);
 std::vector<std::string> lt_autotune_log();
-void lt_autotune_note(const std::string& line);  // a line for the log without timing (e.g. no scratch memory)
-
-// Device memory outside the caching allocator, for an autotuned GEMM's scratch output: it
-// is freed when the tuning ends, so it never stays cached. Null if cudaMalloc fails.
-class LtScratch {
- public:
-  explicit LtScratch(size_t bytes);
-  ~LtScratch();
-  LtScratch(const LtScratch&) = delete;
-  LtScratch& operator=(const LtScratch&) = delete;
-  void* get() const { return ptr_; }
-
- private:
-  void* ptr_ = nullptr;
-};
 
 }  // namespace tessera::cuda

@@ -199,30 +199,18 @@ const char* epilogue_name(GemmEpilogue e) {
   return "";
 }
 
-// Times the plan's candidates on this call's operands (lt_pick_fastest) and keeps the
-// fastest. With beta = 0 they write c, which the call that follows overwrites; otherwise c
-// is an input, so they write a scratch output of c's footprint instead.
+// Times the plan's candidates on this call's operands (lt_tune) and keeps the fastest.
 void tune(Plan& plan, LtState& state, void* stream, const PlanKey& key, const Tensor& a, const Tensor& b,
           const Tensor& c, float alpha, float beta) {
   const std::string what = detail::concat("M ", key.m, " N ", key.n, " K ", key.k, ", a ", dtype_name(key.a),
                                key.transpose_a ? " (T)" : "", ", b ", dtype_name(key.b), key.transpose_b ? " (T)" : "",
                                ", c ", dtype_name(key.c), key.beta_zero ? "" : ", beta != 0",
                                key.has_bias ? ", bias" : "", epilogue_name(key.epilogue));
-  if (plan.candidates.size() == 1) {
-    lt_autotune_note(what + ": the heuristic offers one algorithm; nothing to time");
-    return;
-  }
   const size_t c_bytes = static_cast<size_t>((key.m - 1) * key.ldc + key.n) * dtype_size(key.c);
-  LtScratch scratch(key.beta_zero ? 0 : c_bytes);
-  if (!key.beta_zero && scratch.get() == nullptr) {
-    lt_autotune_note(what + ": no device memory for a scratch output; heuristic's choice kept");
-    return;
-  }
-  void* d = key.beta_zero ? c.raw_data() : scratch.get();
   void* workspace = lt_workspace(state, c.device().index, stream);
-  const int pick = lt_pick_fastest(
-      stream, static_cast<int>(plan.candidates.size()),
-      [&](int i) {
+  const int pick = lt_tune(
+      stream, static_cast<int>(plan.candidates.size()), key.beta_zero, c.raw_data(), c_bytes,
+      [&](int i, void* d) {
         return cublasLtMatmul(state.handle, plan.desc, &alpha, b.raw_data(), plan.first, a.raw_data(), plan.second,
                               &beta, c.raw_data(), plan.out, d, plan.out, &plan.candidates[i], workspace,
                               kWorkspaceBytes, static_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;

@@ -351,29 +351,17 @@ void fp8_gemm(void* stream, const Fp8Operand& a, const Fp8Operand& b, Tensor& c,
   const void* c_in = c.dtype() == DType::E4M3 ? nullptr : c.raw_data();
   if (!plan.tuned && !plan.candidates.empty() && lt_should_tune(device, stream, ++plan.uses)) {
     plan.tuned = true;
-    // As gemm.cu's tune: beta = 0 candidates write c (overwritten by the call below, amax
-    // included), beta != 0 ones a scratch output of c's footprint.
-    const std::string what = "fp8 " + describe_call(key);
     const size_t c_bytes = static_cast<size_t>((m - 1) * key.ldc + n) * dtype_size(c.dtype());
-    LtScratch scratch(key.beta_zero || plan.candidates.size() == 1 ? 0 : c_bytes);
-    if (plan.candidates.size() == 1) {
-      lt_autotune_note(what + ": the heuristic offers one algorithm; nothing to time");
-    } else if (!key.beta_zero && scratch.get() == nullptr) {
-      lt_autotune_note(what + ": no device memory for a scratch output; heuristic's choice kept");
-    } else {
-      void* d = key.beta_zero ? c.raw_data() : scratch.get();
-      void* workspace = lt_workspace(state, device, stream);
-      const int pick = lt_pick_fastest(
-          stream, static_cast<int>(plan.candidates.size()),
-          [&](int i) {
-            return cublasLtMatmul(state.handle, plan.desc, &p.alpha, b.data.raw_data(), plan.first,
-                                  a.data.raw_data(), plan.second, &p.beta, c_in, plan.c_layout, d, plan.d_layout,
-                                  &plan.candidates[i], workspace, kWorkspaceBytes,
-                                  static_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
-          },
-          what);
-      plan.algo = plan.candidates[pick];
-    }
+    void* workspace = lt_workspace(state, device, stream);
+    const int pick = lt_tune(
+        stream, static_cast<int>(plan.candidates.size()), key.beta_zero, c.raw_data(), c_bytes,
+        [&](int i, void* d) {
+          return cublasLtMatmul(state.handle, plan.desc, &p.alpha, b.data.raw_data(), plan.first, a.data.raw_data(),
+                                plan.second, &p.beta, c_in, plan.c_layout, d, plan.d_layout, &plan.candidates[i],
+                                workspace, kWorkspaceBytes, static_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
+        },
+        "fp8 " + describe_call(key));
+    plan.algo = plan.candidates[pick];
   }
   const cublasStatus_t status =
       cublasLtMatmul(state.handle, plan.desc, &p.alpha, b.data.raw_data(), plan.first, a.data.raw_data(), plan.second,
