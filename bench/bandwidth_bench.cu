@@ -25,7 +25,9 @@
 // blockcast: the fused 1x128 FP8 cast with both copies against its two-pass path.
 // castbias: the FP8 cast + transpose with the bias gradient (one read of dy) against the cast
 // then bias_grad; gelufp8: GELU -> FP8 forward and backward (+ dbias) against gelu in BF16
-// then the cast; both checked against their unfused pair in the same run.
+// then the cast; both checked against their unfused pair in the same run. lm_head_loss: the
+// LM head's loss and gradient (cross_entropy_forward_backward) at 2048 x 128256 and 2048 x
+// 50257, one pass over the logits against the forward then the backward.
 //
 // Usage: bench_bandwidth [runs] [filter] [--sweep-norm]
 //   filter: run only ops whose name contains it (for profiling one kernel with ncu, runs = 1);
@@ -565,6 +567,52 @@ void run_shape(int64_t R, int64_t C) {
     }
     table.add("cross_entropy_forward", A + 2 * stat + 4, ms_f, cf.text());
     table.add("cross_entropy_backward", 2 * A + 2 * stat, ms_b, cb.text());
+  }
+
+  // ---- The LM head's loss and gradient (cross_entropy_forward_backward) ----
+  // At the head's own shapes (a 2048-row chunk of Llama-3's 128256 and of GPT-2's 50257 in
+  // rows padded to 50264), not [R, C]; once, with the first shape. The gradient goes to its
+  // own buffer (the logits stay for the next run). One pass moves the logits in and the
+  // gradient out (2 x bytes); the forward then the backward read the logits twice (3 x).
+  if (table.wanted("lm_head_loss") && C == 4096) {
+    for (auto [rows, vocab] : {std::pair<int64_t, int64_t>{2048, 128256}, {2048, 50257}}) {
+      const int64_t ld = (vocab + 7) / 8 * 8;
+      Tensor buf = randn({rows, ld}, bf, 31), dbuf = Tensor::empty({rows, ld}, bf, kGpu);
+      const Tensor x = buf.slice(1, 0, vocab);
+      Tensor dl = dbuf.slice(1, 0, vocab);
+      std::vector<int64_t> t(rows);
+      for (int64_t i = 0; i < rows; ++i) t[i] = (i * 2654435761LL) % vocab;
+      const Tensor targets = Tensor::from_ints(t, {rows}, DType::I32).to(kGpu);
+      Tensor loss = Tensor::empty({1}, f32, kGpu), lse = Tensor::empty({rows}, f32, kGpu);
+      auto with_fusion = [&](int off) {
+        cuda::RowTuning tuning;
+        tuning.cross_entropy_fused = off;
+        cuda::set_row_tuning(tuning);
+        cross_entropy_forward_backward(gpu, x, targets, loss, lse, 1.0f, dl);
+        cuda::set_row_tuning({});
+      };
+      auto both = [&] { with_fusion(0); };
+      auto separate = [&] { with_fusion(1); };
+      const double ms_sep = median_ms(separate, g_runs), ms_one = median_ms(both, g_runs);
+      poison(dl);
+      poison(loss);
+      both();
+      Check c;
+      {
+        const Tensor hx = x.to(kCpu), ht = targets.to(kCpu);
+        Tensor hl = Tensor::empty({1}, f32, kCpu), hlse = Tensor::empty({rows}, f32, kCpu);
+        cross_entropy_forward(cpu, hx, ht, hl, hlse);
+        c.expect(rel_error(loss, hl), 1e-5, "loss");
+        c.expect(rel_error(sample(lse), sample(hlse)), 1e-5, "lse");
+        Tensor sx = sample(x), wdl = cpu_empty_like(sx);
+        cross_entropy_backward(cpu, sx, sample(targets), sample(hlse), float(double(sx.size(0)) / double(rows)), wdl);
+        c.expect(rel_error(sample(dl), wdl), 1e-2, "d_logits");
+      }
+      const double bytes = 2.0 * double(rows) * double(vocab);
+      const std::string shape = " " + std::to_string(rows) + "x" + std::to_string(vocab);
+      table.add("lm_head_loss one pass" + shape, 2 * bytes, ms_one, c.text());
+      table.add("lm_head_loss fwd+bwd" + shape, 3 * bytes, ms_sep, c.text());
+    }
   }
 
   // ---- FP8: per-tensor quantization BF16 -> E4M3 (with amax, delayed scaling), amax ----

@@ -309,8 +309,17 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
     Tensor logits = logits_full.slice(1, 0, vocab);
     Tensor chunk_loss = chunk_losses.slice(0, r0 / chunk_rows, r0 / chunk_rows + 1);
     Tensor lse = Tensor::empty({n}, stats, ctx.device);
-    cross_entropy_forward(ctx, logits, t_chunk, chunk_loss, lse, {.ignore_index = kIgnoreIndex});
     const double weight = double(chunk_valid) / double(valid);
+    // The BF16 head's gradient replaces the logits in place, the loss and gradient in one
+    // pass over them where the backend can (one read of the logits, not two).
+    const bool fused_loss = d_h && !fp8_head;
+    if (fused_loss) {
+      Tensor d_logits = logits;
+      cross_entropy_forward_backward(ctx, logits, t_chunk, chunk_loss, lse, static_cast<float>(weight * scale),
+                                     d_logits, {.ignore_index = kIgnoreIndex});
+    } else {
+      cross_entropy_forward(ctx, logits, t_chunk, chunk_loss, lse, {.ignore_index = kIgnoreIndex});
+    }
     if (!d_h) continue;
     Tensor d_h_chunk = d_h->slice(0, r0, r1);
     // dW = or += dlogits^T h: the first chunk of a step overwrites a lazily zeroed gradient.
@@ -329,10 +338,7 @@ TransformerLM::HeadLoss TransformerLM::head_loss(Context& ctx, const Tensor& h, 
       fp8::fp8_gemm(ctx, dl_q, true, h_q_chunk, false, grad_full, accumulate);  // dW += dlogits^T h
       continue;
     }
-    Tensor d_logits = logits;  // the gradient replaces the logits in place
-    cross_entropy_backward(ctx, logits, t_chunk, lse, static_cast<float>(weight * scale), d_logits,
-                           {.ignore_index = kIgnoreIndex});
-    // d_logits is a view of logits_full, whose padding columns still hold 0.
+    // The gradient (fused_loss above) is a view of logits_full, whose padding columns still hold 0.
     gemm(ctx, logits_full, w_full, d_h_chunk);                                 // dh = dlogits W
     gemm(ctx, logits_full, h_chunk, grad_full, {.transpose_a = true, .beta = dw_beta});  // dW += dlogits^T h
   }

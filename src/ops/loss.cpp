@@ -87,6 +87,28 @@ void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& ta
   }
 }
 
+void cross_entropy_forward_backward(Context& ctx, const Tensor& logits, const Tensor& targets, Tensor& loss,
+                                    Tensor& lse, float d_loss, Tensor& d_logits, const CrossEntropyOptions& options) {
+  const char* op = "cross_entropy_forward_backward";
+  check_logits_and_targets(logits, targets, op);
+  check_contiguous(loss, op, "loss");
+  check_shape(loss, {1}, op, "loss");
+  check_lse(logits, lse, op);
+  check_row_strided(d_logits, op, "d_logits");
+  check_shape(d_logits, logits.shape(), op, "d_logits");
+  check_on_device(ctx, op, {&logits, &targets, &loss, &lse, &d_logits});
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda() && cuda::cross_entropy_fused_supported(logits, loss, lse, d_logits)) {
+    cuda::raise_pending_index_error(ctx.device.index, ctx.stream, op);
+    cuda::cross_entropy_fused(ctx.stream, logits, targets, loss, lse, d_loss, d_logits, options.ignore_index);
+    return;
+  }
+#endif
+  // Elsewhere (and on the CPU) the two ops, which check the rest.
+  cross_entropy_forward(ctx, logits, targets, loss, lse, options);
+  cross_entropy_backward(ctx, logits, targets, lse, d_loss, d_logits, options);
+}
+
 void cross_entropy_backward_fp8(Context& ctx, const Tensor& logits, const Tensor& targets, const Tensor& lse,
                                 float d_loss, const Tensor& fp8_scale, Tensor& q, const CrossEntropyOptions& options) {
   const char* op = "cross_entropy_backward_fp8";

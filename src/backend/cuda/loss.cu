@@ -356,6 +356,25 @@ __global__ void __launch_bounds__(kGradThreads)
 
 }  // namespace
 
+void launch_grad_scale(cudaStream_t s, const Tensor& targets, int64_t rows, int64_t ignore_index, float d_loss,
+                       Tensor& scale) {
+  dispatch_targets(targets, [&](auto* ttag) {
+    using Tg = std::remove_pointer_t<decltype(ttag)>;
+    grad_scale_kernel<Tg, true><<<1, kReduceThreads, 0, s>>>(targets.data<Tg>(), rows, ignore_index, d_loss,
+                                                             scale.data<float>());
+  });
+}
+
+void launch_loss_sum(cudaStream_t s, const Tensor& targets, const Tensor& terms, Tensor& loss, int64_t rows,
+                     int64_t vocab, int64_t ignore_index, const IndexErrorSink& sink) {
+  dispatch_targets(targets, [&](auto* ttag) {
+    using Tg = std::remove_pointer_t<decltype(ttag)>;
+    launch_pdl(loss_kernel<Tg, true>, 1, kReduceThreads, s, targets.data<Tg>(),
+               static_cast<const double*>(terms.data<double>()), loss.raw_data(), loss.dtype() == DType::F64, rows,
+               vocab, ignore_index, sink);
+  });
+}
+
 }  // namespace xent
 
 bool cross_entropy_forward_supported(const Tensor& logits, const Tensor& loss, const Tensor& lse) {

@@ -132,4 +132,14 @@ void backward_flat(cudaStream_t s, const Tensor& logits, const Tensor& targets, 
                    const Tensor& scale, Tensor& d_logits, int64_t total, int per_thread, int64_t ignore_index,
                    const IndexErrorSink& sink);
 
+// ---- loss.cu's pieces for loss_fused.cu ------------------------------------------------------
+
+// scale = d_loss / n_valid, one block (the kernel after it on s is its programmatic dependent).
+void launch_grad_scale(cudaStream_t s, const Tensor& targets, int64_t rows, int64_t ignore_index, float d_loss,
+                       Tensor& scale);
+// loss = the mean of terms over the valid rows (NaN with a bad target, reported to sink), one
+// block launched as a programmatic dependent of the kernel that writes terms.
+void launch_loss_sum(cudaStream_t s, const Tensor& targets, const Tensor& terms, Tensor& loss, int64_t rows,
+                     int64_t vocab, int64_t ignore_index, const IndexErrorSink& sink);
+
 }  // namespace tessera::cuda::xent

@@ -31,6 +31,7 @@
 // copy bandwidth at 16384 x 4096 (the row-group kernel: 70.2%), 84.3% at x 768.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <type_traits>
 
 #include "cuda_backend.h"
@@ -335,7 +336,14 @@ void launch_rows(int64_t rows, int64_t cols, bool aligned, int arrays, Fn&& fn, 
   else fn(Int<1>{}, cfg, blocks);
 }
 
-RowTuning g_row_tuning;
+// TESSERA_CROSS_ENTROPY_FUSED=1 (or 0) starts with the cross-entropy fusion on (or off):
+// an A/B of whole training steps without rebuilding.
+RowTuning initial_row_tuning() {
+  RowTuning t;
+  if (const char* v = std::getenv("TESSERA_CROSS_ENTROPY_FUSED")) t.cross_entropy_fused = std::atoi(v) == 0 ? 1 : 0;
+  return t;
+}
+RowTuning g_row_tuning = initial_row_tuning();
 
 }  // namespace
 
