@@ -40,8 +40,8 @@ void cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& ta
 // same arguments), where the backend can in one pass over the logits: on CUDA, F32 or
 // BF16 logits with d_logits of their dtype, 16-byte aligned rows whose strides are
 // multiples of 8 and 16384 <= V <= 262144 (an LM head's vocabulary) are read once instead
-// of twice (backend/cuda/loss_fused.cu; off by default for now, see docs/ops/loss.md:
-// TESSERA_CROSS_ENTROPY_FUSED=1 turns it on). lse may then differ from cross_entropy_forward's
+// of twice (backend/cuda/loss_fused.cu; off by default while it is slower than the two
+// kernels, see docs/ops/loss.md: TESSERA_CROSS_ENTROPY_FUSED=1 turns it on). lse may then differ from cross_entropy_forward's
 // in the last bit (a two-pass instead of an online sum). d_logits may be logits itself.
 void cross_entropy_forward_backward(Context& ctx, const Tensor& logits, const Tensor& targets, Tensor& loss,
                                     Tensor& lse, float d_loss, Tensor& d_logits,

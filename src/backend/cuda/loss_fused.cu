@@ -23,8 +23,14 @@
 // multiples of 8 and both bases 16-byte aligned; V in [kMinVocab, kCapacity]. The last
 // vector of a row may be partial (GPT-2's 50257): it is read and written element by element.
 // Floor: N * V * bytes * 2 (one read, one write) / 4.1 TB/s (2048 x 128256 BF16: 256 us);
-// the separate kernels move 1.5x that. Not yet measured: written without a GPU, so off by
-// default (softmax_tuning.h) until bench_bandwidth's lm_head_loss has timed it on the H200.
+// the separate kernels move 1.5x that. Measured on the H200 (2026-12-02, bench_bandwidth
+// lm_head_loss, bench/RESULTS.md): 2048 x 128256 BF16 480 us (57% of copy) against the
+// separate kernels' 452 us (3 passes at 90%); 2048 x 50257 288 against 219 us. Slower: a
+// block's life is serial (its slice loaded, two cluster barriers, then the stores) and 2-4
+// blocks an SM keep too few bytes in flight; more blocks (a small spill) gave 458 / 254 us.
+// Hence off by default (softmax_tuning.h). One cluster exchange of an online (max, sum)
+// instead of the two barriers was slower still (577 us): the barriers are not the cost.
+// Next: persistent clusters that issue the next row's loads before reducing this one.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 

@@ -18,8 +18,8 @@ struct RowTuning {
   int cross_entropy_backward = 0;
   // 0: cross_entropy_forward_backward in one pass where it applies (loss_fused.cu: a cluster
   //    of blocks holds each row); 1: the forward and backward kernels above, one after the
-  //    other. 1 by default until the pass has been run and timed on the H200 (written
-  //    without a device; TESSERA_CROSS_ENTROPY_FUSED=1 starts a process with it on).
+  //    other. 1 by default: on the H200 the pass is still slower than the two kernels
+  //    (loss_fused.cu; TESSERA_CROSS_ENTROPY_FUSED=1 starts a process with it on).
   int cross_entropy_fused = 1;
   // Lanes per row for the warp-row kernels: 0 = automatic (the fewest lanes, at least 4,
   // that hold the row in at most 64 registers of data), else 4, 8, 16 or 32 (a forced value
