@@ -195,7 +195,8 @@ def run_torch(name, batch, seq, compile_model, warmup, steps, clip=False):
 VOCAB = {"gpt2": 50257, "gpt2-v50304": 50304, "llama": 128256, "mixtral2": MIXTRAL2["vocab_size"]}
 
 
-def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, autotune=False, loss_fusion=None):
+def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, autotune=False, loss_fusion=None,
+                overlap=False):
     model = "llama3.2-1b" if name == "llama" else "gpt2-124m"
     if name == "mixtral2":
         model = json.dumps(dict(MIXTRAL2, architecture="mixtral", tie_embeddings=False,
@@ -207,13 +208,16 @@ def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, au
         cmd += ["--fp8", fp8]
     if autotune:
         cmd += ["--gemm-autotune"]
+    if overlap:
+        cmd += ["--optimizer-overlap"]
     env = None
     if loss_fusion:
         env = dict(os.environ, TESSERA_CROSS_ENTROPY_FUSED="1" if loss_fusion == "on" else "0")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
     result = json.loads(out)
     result["impl"] = ((f"tessera fp8 ({fp8} scaling)" if fp8 else "tessera bf16") + (" clip" if clip else "") +
-                      (" gemm-autotune" if autotune else "") + (f" loss fusion {loss_fusion}" if loss_fusion else ""))
+                      (" gemm-autotune" if autotune else "") + (f" loss fusion {loss_fusion}" if loss_fusion else "") +
+                      (" optimizer overlap" if overlap else ""))
     if name == "mixtral2":  # MFU over the active parameters, as for PyTorch's figure
         m, p = MIXTRAL2, result["params"]
         expert = 3 * m["num_layers"] * m["num_experts"] * m["hidden_size"] * m["intermediate_size"]
@@ -236,6 +240,9 @@ def main():
     ap.add_argument("--loss-fusion", choices=["on", "off"],
                     help="also time tessera BF16 with the LM head's loss and gradient in one pass over the logits "
                          "(on) or two (off): TESSERA_CROSS_ENTROPY_FUSED=1 or 0")
+    ap.add_argument("--optimizer-overlap", action="store_true",
+                    help="also time tessera BF16 with the AdamW update overlapped with the backward "
+                         "(optimizer.overlap_backward; not with --clip)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -250,6 +257,8 @@ def main():
         if args.loss_fusion:
             results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, clip=args.clip,
                                        loss_fusion=args.loss_fusion))
+        if args.optimizer_overlap and not args.clip:
+            results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, overlap=True))
         for recipe in args.fp8:
             results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, fp8=recipe, clip=args.clip))
         results.append(run_torch(name, batch, seq, False, args.warmup, args.steps, clip=args.clip))

@@ -100,6 +100,15 @@ int main(int argc, char** argv) {
   app.add_flag("--eager-bias-grad", eager_bias_grad,
                "Clear the Linear biases' gradients at zero_grad (the bias-gradient epilogue then sums into a "
                "scratch vector that is added) instead of letting it write them (the default; for timing both)");
+  bool optimizer_overlap = false;
+  app.add_flag("--optimizer-overlap", optimizer_overlap,
+               "Update each bucket of parameters during the backward, as soon as their gradients are final "
+               "(optimizer.overlap_backward; needs --grad-clip 0, no --fp8)");
+  int stream_priority = 0;
+  app.add_option("--stream-priority", stream_priority,
+                 "CUDA priority of the step's stream (0: the default and lowest; -1 and below: higher, so its "
+                 "kernels go ahead of the --optimizer-overlap update's)")
+      ->capture_default_str();
   bool gemm_autotune_flag = false;
   app.add_flag("--gemm-autotune", gemm_autotune_flag,
                "Time cuBLASLt's candidate algorithms for each GEMM shape and keep the fastest "
@@ -112,7 +121,7 @@ int main(int argc, char** argv) {
     if (keep_activation) config.recompute_activation = false;
     if (device == "cuda" && !cuda_available()) throw std::runtime_error("--device cuda: no GPU present");
     Context ctx = device == "cuda" ? Context::cuda() : Context::cpu();
-    const Stream stream = Stream::create(ctx.device);
+    const Stream stream = Stream::create(ctx.device, stream_priority);
     ctx.stream = stream.get();
     const StreamGuard stream_guard(ctx);
     models::TransformerLM model(config, precision == "bf16" ? DType::BF16 : DType::F32);
@@ -120,7 +129,12 @@ int main(int argc, char** argv) {
     model.init(ctx, 1);
     train::OptimizerConfig optimizer_config;
     optimizer_config.grad_clip = grad_clip;
+    optimizer_config.overlap_backward = optimizer_overlap;
+    if (optimizer_overlap && (grad_clip != 0 || !fp8_recipe.empty()))
+      throw std::runtime_error("--optimizer-overlap needs --grad-clip 0 and no --fp8");
     train::Optimizer optimizer(model.parameters(), optimizer_config);
+    if (optimizer_overlap)
+      model.set_grad_ready_hook([&optimizer](Context& c, nn::Parameter& p) { optimizer.mark_ready(c, p); });
     std::shared_ptr<nn::Fp8Scaling> fp8_state;
     if (!fp8_recipe.empty()) {
       if (precision != "bf16") throw std::runtime_error("--fp8 needs --precision bf16");
@@ -151,6 +165,7 @@ int main(int argc, char** argv) {
       if (eager_bias_grad)
         for (nn::Parameter* p : model.parameters())
           if (p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, ".bias") == 0) p->materialize_grad(ctx);
+      if (optimizer_overlap) optimizer.begin_step(ctx, 1e-4);
       loss = model.forward_backward(ctx, inputs, targets);
       if (fp8_state) fp8_state->end_micro_batch(ctx);
       optimizer.step(ctx, 1e-4);
@@ -210,6 +225,8 @@ int main(int argc, char** argv) {
     if (eager_bias_grad) out["eager_bias_grad"] = true;
     if (gemm_autotune()) out["gemm_autotune"] = true;
     out["grad_clip"] = grad_clip;
+    if (optimizer_overlap) out["optimizer_overlap"] = true;
+    if (stream_priority != 0) out["stream_priority"] = stream_priority;
     if (const char* rows = std::getenv("TESSERA_HEAD_CHUNK_ROWS")) out["head_chunk_rows"] = rows;
 #if TESSERA_WITH_CUDA
     if (ctx.device.is_cuda()) {

@@ -57,7 +57,8 @@ void add_train_commands(CLI::App& app) {
   static std::string config_path;
   static std::vector<std::string> overrides;
   static std::vector<std::string> resume;
-  static std::string device, precision, attention_backend, deterministic_attention, gemm_autotune, cuda_graph;
+  static std::string device, precision, attention_backend, deterministic_attention, gemm_autotune, cuda_graph,
+      optimizer_overlap;
   CLI::App* train_cmd = app.add_subcommand("train", "Train a model from a YAML/JSON config (see docs/training.md)");
   train_cmd->footer(
       "Several ranks (data and tensor parallelism, docs/distributed.md): `mpirun -np N tessera train CONFIG` (one or many hosts) "
@@ -97,6 +98,11 @@ void add_train_commands(CLI::App& app) {
                         "Capture the training step into a CUDA graph: auto (when the run can be), on or off "
                         "(same as --set training.cuda_graph=...)")
       ->check(CLI::IsMember({"auto", "on", "off"}));
+  train_cmd->add_option("--optimizer-overlap", optimizer_overlap,
+                        "true: update each bucket of parameters during the backward, as soon as their gradients "
+                        "are final (needs optimizer.grad_clip 0, one device, no fp8); false (the default): after it "
+                        "(same as --set optimizer.overlap_backward=...)")
+      ->check(CLI::IsMember({"true", "false"}));
   train_cmd->callback([] {
     nlohmann::json j = train::load_config_file(config_path);
     for (const std::string& o : overrides) train::apply_override(j, o);
@@ -107,6 +113,7 @@ void add_train_commands(CLI::App& app) {
       train::apply_override(j, "training.deterministic_attention=" + deterministic_attention);
     if (!gemm_autotune.empty()) train::apply_override(j, "training.gemm_autotune=" + gemm_autotune);
     if (!cuda_graph.empty()) train::apply_override(j, "training.cuda_graph=" + cuda_graph);
+    if (!optimizer_overlap.empty()) train::apply_override(j, "optimizer.overlap_backward=" + optimizer_overlap);
     train::TrainOptions options;
     if (resume_opt->count() > 0) {
       const std::string what = resume.empty() || resume.front().empty() ? "auto" : resume.front();

@@ -39,14 +39,24 @@ StreamGuard::~StreamGuard() {
   if (device_.is_cuda()) current_streams[device_.index] = previous_;
 }
 
-Stream Stream::create(Device device) {
+void stream_wait(Device device, void* waiter, void* producer) {
+  if (!device.is_cuda() || waiter == producer) return;
+#if TESSERA_WITH_CUDA
+  cuda::stream_wait(waiter, producer);
+#else
+  TESSERA_FAIL("stream_wait: ", device.to_string(), " needs the CUDA backend, which this build does not have");
+#endif
+}
+
+Stream Stream::create(Device device, int priority) {
   Stream s;
   s.device_ = device;
   if (!device.is_cuda()) return s;
   check_index(device);
 #if TESSERA_WITH_CUDA
-  s.stream_ = cuda::create_stream(device.index);
+  s.stream_ = cuda::create_stream(device.index, priority);
 #else
+  (void)priority;
   TESSERA_FAIL("Stream::create: ", device.to_string(), " needs the CUDA backend, which this build does not have");
 #endif
   return s;

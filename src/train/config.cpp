@@ -194,7 +194,8 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
   }
   if (j.contains("optimizer")) {
     const auto& o = j.at("optimizer");
-    check_keys(o, "optimizer", {"lr", "min_lr_ratio", "warmup_steps", "beta1", "beta2", "eps", "weight_decay", "grad_clip"});
+    check_keys(o, "optimizer", {"lr", "min_lr_ratio", "warmup_steps", "beta1", "beta2", "eps", "weight_decay", "grad_clip",
+                                         "overlap_backward"});
     read(o, "optimizer.", "lr", c.optimizer.lr);
     read(o, "optimizer.", "min_lr_ratio", c.optimizer.min_lr_ratio);
     read(o, "optimizer.", "warmup_steps", c.optimizer.warmup_steps);
@@ -203,6 +204,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     read(o, "optimizer.", "eps", c.optimizer.eps);
     read(o, "optimizer.", "weight_decay", c.optimizer.weight_decay);
     read(o, "optimizer.", "grad_clip", c.optimizer.grad_clip);
+    read(o, "optimizer.", "overlap_backward", c.optimizer.overlap_backward);
   }
   if (j.contains("training")) {
     const auto& t = j.at("training");
@@ -313,6 +315,10 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
                 "config: training.rewind needs max_rewinds >= 0 and max_rewinds_window > 0");
   TESSERA_CHECK(c.optimizer.lr > 0, "config: optimizer.lr must be positive, got ", c.optimizer.lr);
   TESSERA_CHECK(c.optimizer.grad_clip >= 0, "config: optimizer.grad_clip must be >= 0, got ", c.optimizer.grad_clip);
+  TESSERA_CHECK(!c.optimizer.overlap_backward || c.optimizer.grad_clip == 0,
+                "config: optimizer.overlap_backward needs optimizer.grad_clip = 0 (clipping scales every gradient by ",
+                "the norm of all of them, known only when the whole backward is done); got grad_clip ",
+                c.optimizer.grad_clip);
   TESSERA_CHECK(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1 && c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1,
                 "config: optimizer.beta1 and optimizer.beta2 must be in [0, 1)");
   TESSERA_CHECK(c.data.validation_fraction >= 0 && c.data.validation_fraction < 1,
@@ -328,7 +334,8 @@ nlohmann::json RunConfig::to_json() const {
                     {"merges", data.merges}, {"validation_fraction", data.validation_fraction}}},
           {"optimizer", {{"lr", optimizer.lr}, {"min_lr_ratio", optimizer.min_lr_ratio}, {"warmup_steps", optimizer.warmup_steps},
                          {"beta1", optimizer.beta1}, {"beta2", optimizer.beta2}, {"eps", optimizer.eps},
-                         {"weight_decay", optimizer.weight_decay}, {"grad_clip", optimizer.grad_clip}}},
+                         {"weight_decay", optimizer.weight_decay}, {"grad_clip", optimizer.grad_clip},
+                         {"overlap_backward", optimizer.overlap_backward}}},
           {"training", {{"steps", training.steps}, {"batch_size", training.batch_size}, {"seq_len", training.seq_len},
                         {"grad_accum", training.grad_accum}, {"global_batch_size", training.global_batch_size},
                         {"parallel", training.parallel.to_json()}, {"eval_interval", training.eval_interval},

@@ -21,6 +21,9 @@ std::optional<std::string> cuda_graph_blocker(const RunConfig& config, Device de
   // Every FP8 recipe captures: per-tensor scales and delayed scaling's ring position live on
   // the device; block and mxfp8 keep no state and their casts, scale rearrangement and GEMMs
   // read nothing on the host.
+  if (config.optimizer.overlap_backward)
+    return std::string("optimizer.overlap_backward updates the parameters on a second stream during the backward, "
+                       "which the captured step does not do");
   if (distributed)
     return std::string("runs over several ranks (data or tensor parallel) reduce across ranks and read the global "
                        "gradient norm on the host between backward and the optimizer");

@@ -27,6 +27,7 @@ Optimizer::Optimizer(nn::ParameterList parameters, const OptimizerConfig& config
 }
 
 double Optimizer::step(Context& ctx, double lr) {
+  if (armed_) return finish_overlapped_step(ctx, lr);
   queue(ctx, options_for(lr, step_ + 1), Tensor());
   step_ += 1;
   // The one host wait of the step: everything above is queued by now.
@@ -77,6 +78,95 @@ void Optimizer::queue(Context& ctx, const AdamWOptions& options, const Tensor& s
   // so scaling those would be another update.
   adamw_step_multi(ctx, weights, grads, exp_avg_, exp_avg_sq_, values, options, weight_decays, norm_,
                    config_.grad_clip > 0 ? config_.grad_clip : 0.0, &adamw_cache_, step_scalars);
+}
+
+// ---- The update overlapped with the backward -------------------------------------------
+
+void Optimizer::begin_step(Context& ctx, double lr) {
+  TESSERA_CHECK(config_.overlap_backward, "Optimizer::begin_step: optimizer.overlap_backward is off");
+  TESSERA_CHECK(config_.grad_clip == 0, "optimizer.overlap_backward needs optimizer.grad_clip = 0 (clipping scales ",
+                "every gradient by the norm of all of them, known only when the whole backward is done); got ",
+                config_.grad_clip);
+  TESSERA_CHECK(!armed_, "Optimizer::begin_step: the previous overlapped step was not finished by step()");
+  armed_ = true;
+  armed_lr_ = lr;
+  updated_.assign(params_.size(), false);
+  bucket_.clear();
+  bucket_elements_ = 0;
+  buckets_queued_ = 0;
+  if (ctx.device.is_cuda() && (!side_.get() || side_.device() != ctx.device)) side_ = Stream::create(ctx.device);
+  const int64_t slots = std::max<int64_t>(1, static_cast<int64_t>(params_.size()));
+  if (!bucket_norms_.defined() || bucket_norms_.device() != ctx.device || bucket_norms_.numel() < slots)
+    bucket_norms_ = Tensor::zeros({slots}, DType::F64, ctx.device);
+}
+
+void Optimizer::mark_ready(Context& ctx, nn::Parameter& parameter) {
+  if (!armed_) return;
+  const auto it = std::find(params_.begin(), params_.end(), &parameter);
+  TESSERA_CHECK(it != params_.end(), "Optimizer::mark_ready: ", parameter.name, " is not one of this optimizer's ",
+                "parameters");
+  const size_t i = static_cast<size_t>(it - params_.begin());
+  TESSERA_CHECK(!updated_[i], "Optimizer::mark_ready: ", parameter.name, " was marked twice in one step");
+  updated_[i] = true;
+  bucket_.push_back(i);
+  bucket_elements_ += parameter.weights().numel();
+  if (bucket_elements_ >= overlap_bucket_elements_) queue_bucket(ctx);
+}
+
+// The bucket's gradient norm and AdamW update, on the side stream (on the CPU: now, on ctx),
+// after everything ctx's stream has queued so far: the backward that wrote these gradients.
+void Optimizer::queue_bucket(Context& ctx) {
+  if (bucket_.empty()) return;
+  const size_t b = buckets_queued_++;
+  if (bucket_norm_caches_.size() <= b) {
+    bucket_norm_caches_.resize(b + 1);
+    bucket_adamw_caches_.resize(b + 1);
+  }
+  Context side = ctx;
+  if (ctx.device.is_cuda()) {
+    side = side_.context();
+    stream_wait(ctx.device, side.stream, ctx.stream);
+  }
+  // Tensor-level work of the ops below (a multi-tensor table's first upload) goes on the side
+  // stream too.
+  const StreamGuard guard(side);
+  std::vector<Tensor> weights, grads, values, exp_avg, exp_avg_sq;
+  std::vector<float> weight_decays;
+  for (size_t i : bucket_) {
+    nn::Parameter* p = params_[i];
+    weights.push_back(p->weights());
+    grads.push_back(p->grad);
+    values.push_back(p->master.defined() ? p->value : Tensor());
+    exp_avg.push_back(exp_avg_[i]);
+    exp_avg_sq.push_back(exp_avg_sq_[i]);
+    weight_decays.push_back(p->weight_decay ? float(config_.weight_decay) : 0.0f);
+  }
+  Tensor norm = bucket_norms_.slice(0, static_cast<int64_t>(b), static_cast<int64_t>(b) + 1);
+  global_grad_norm(side, grads, norm, &bucket_norm_caches_[b]);
+  adamw_step_multi(side, weights, grads, exp_avg, exp_avg_sq, values, options_for(armed_lr_, step_ + 1),
+                   weight_decays, Tensor(), 0.0, &bucket_adamw_caches_[b]);
+  bucket_.clear();
+  bucket_elements_ = 0;
+}
+
+double Optimizer::finish_overlapped_step(Context& ctx, double lr) {
+  armed_ = false;  // first: an error below leaves the optimizer unarmed
+  TESSERA_CHECK(lr == armed_lr_, "Optimizer::step: lr ", lr, " is not the ", armed_lr_, " begin_step armed");
+  // What the backward did not mark (or marked into the last, partial bucket) goes last.
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!updated_[i]) {
+      params_[i]->materialize_grad(ctx);  // a lazily zeroed gradient no backward wrote is zeros
+      updated_[i] = true;
+      bucket_.push_back(i);
+    }
+  queue_bucket(ctx);
+  if (ctx.device.is_cuda()) stream_wait(ctx.device, ctx.stream, side_.get());
+  step_ += 1;
+  synchronize(ctx);
+  const Tensor norms = bucket_norms_.slice(0, 0, static_cast<int64_t>(buckets_queued_)).to(Device::cpu());
+  double sum = 0;
+  for (size_t b = 0; b < buckets_queued_; ++b) sum += norms.item(static_cast<int64_t>(b)) * norms.item(static_cast<int64_t>(b));
+  return std::sqrt(sum);
 }
 
 std::vector<std::pair<std::string, Tensor>> Optimizer::state() const {

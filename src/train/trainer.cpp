@@ -236,6 +236,9 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
   std::unique_ptr<dist::DistributedOptimizer> zero1 = dist_run.make_zero1(ctx, model, c.optimizer);
   Optimizer optimizer(zero1 ? nn::ParameterList{} : model.parameters(), plain_config);
   OptimizerBase& opt = zero1 ? static_cast<OptimizerBase&>(*zero1) : optimizer;
+  TESSERA_CHECK(!c.optimizer.overlap_backward || (dist_run.size() == 1 && !c.fp8),
+                "config: optimizer.overlap_backward runs on one device without FP8 (this run has ", dist_run.size(),
+                " ranks", c.fp8 ? " and an fp8 section" : "", "); drop it");
   std::shared_ptr<nn::Fp8Scaling> fp8_state;
   if (c.fp8) {
     TESSERA_CHECK(!tensor_parallel, "config: the fp8 section is not built for tensor parallelism (training.parallel.",
@@ -577,6 +580,12 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
         // The last micro-batch's backward starts the gradient reduction bucket by bucket (not
         // when a NaN is to be injected between backward and the reduction).
         dist_run.arm_overlap(model, micro + 1 == batches.size() && !poison_now);
+        // optimizer.overlap_backward: the last micro-batch's backward updates each bucket of
+        // parameters as soon as their gradients are final (one device: checked at start-up).
+        if (c.optimizer.overlap_backward && micro + 1 == batches.size() && !poison_now) {
+          optimizer.begin_step(ctx, lr);
+          model.set_grad_ready_hook([&optimizer](Context& x, nn::Parameter& p) { optimizer.mark_ready(x, p); });
+        }
         loss += model.forward_backward(ctx, b.inputs, b.targets, 1.0f / t.grad_accum) / t.grad_accum;
         if (fp8_state) fp8_state->end_micro_batch(ctx);
       }
@@ -591,7 +600,12 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
       // The plain optimizer on several data ranks: average the gradients (finishing what the
       // backward started; also after a NaN loss, so that no reduction is left pending).
       dist_run.reduce_gradients(ctx);
-      if (std::isfinite(loss)) {
+      if (optimizer.armed()) {
+        // The update ran with the backward; step() finishes it. A NaN loss has updated the
+        // weights already: the rewind restores them (and without rewinds the run stops).
+        model.set_grad_ready_hook({});
+        grad_norm = optimizer.step(ctx, lr);
+      } else if (std::isfinite(loss)) {
         if (tensor_parallel && !zero1) {
           grad_norm = model.clip_grad_norm(ctx, c.optimizer.grad_clip);  // the single-device norm
           opt.step(ctx, lr);

@@ -42,7 +42,9 @@ class StreamGuard {
 class Stream {
  public:
   Stream() = default;
-  static Stream create(Device device);
+  // priority: CUDA's stream priority, lower runs first (0: the default and lowest; -1 and
+  // below: higher, clamped to what the device offers). Ignored on the CPU.
+  static Stream create(Device device, int priority = 0);
   ~Stream();
   Stream(Stream&& other) noexcept;
   Stream& operator=(Stream&& other) noexcept;
@@ -59,6 +61,11 @@ class Stream {
   Device device_;
   void* stream_ = nullptr;
 };
+
+// Work queued on the stream `waiter` of `device` from now on waits for everything queued on
+// its stream `producer` so far: no host wait, and a no-op on the CPU (whose ops run as they
+// are called) or when both are the same stream.
+void stream_wait(Device device, void* waiter, void* producer);
 
 // A Context on `device` that uses this thread's current stream there.
 inline Context context_on(Device device) { return Context{device, current_stream(device)}; }

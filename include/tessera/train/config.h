@@ -31,6 +31,10 @@ struct OptimizerConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.1;   // not applied to norms and biases
   double grad_clip = 1.0;      // global-norm clipping; 0 disables
+  // Update each group of parameters as soon as the backward has finished their gradients,
+  // overlapped with the rest of the backward (train::Optimizer::begin_step). Needs
+  // grad_clip = 0 and one device without FP8; the same weights as the plain step.
+  bool overlap_backward = false;
 };
 
 // Automatic rewind (see docs/checkpoints.md): detectors watch every step; on a trigger the

@@ -2,10 +2,12 @@
 // learning-rate schedule and gradient clipping by global norm.
 #pragma once
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <utility>
 #include <vector>
 
+#include "tessera/core/stream.h"
 #include "tessera/nn/parameter.h"
 #include "tessera/ops/optimizer.h"
 #include "tessera/train/config.h"
@@ -75,6 +77,27 @@ class Optimizer : public OptimizerBase {
   // that was abandoned: its upload, if it made one, never ran).
   void reset_device_tables();
 
+  // The update overlapped with the backward (OptimizerConfig::overlap_backward): begin_step
+  // arms the coming step with its learning rate; then each parameter passed to mark_ready
+  // (TransformerLM::set_grad_ready_hook, once the backward has finished its gradient) joins a
+  // bucket, and each full bucket is updated at once on a side stream that waits for the
+  // backward queued so far, while the backward of the earlier layers goes on. step(ctx, lr)
+  // with the same lr updates whatever is left, makes ctx's stream wait for the side stream
+  // and returns the norm; the new weights are the bits the plain step gives. The returned
+  // norm combines the buckets' norms (sqrt of the sum of their squares), so it may differ
+  // from the plain step's in its last bits. Needs grad_clip = 0 (clipping scales every
+  // gradient by the norm of all of them, known only at the end) and config.overlap_backward;
+  // begin_step fails otherwise. mark_ready is a no-op while no step is armed. Without a
+  // begin_step, step() is the plain step.
+  void begin_step(Context& ctx, double lr);
+  void mark_ready(Context& ctx, nn::Parameter& parameter);
+  bool armed() const { return armed_; }
+  // A bucket is updated once it holds this many elements (Llama-3.2-1B: a few buckets a
+  // layer; GPT-2 124M: about one a layer): big enough that its three launches cost little
+  // beside its bytes, small enough that most of the update runs while the backward goes on.
+  static constexpr int64_t kOverlapBucketElements = int64_t(8) << 20;
+  void set_overlap_bucket_elements(int64_t elements) { overlap_bucket_elements_ = std::max<int64_t>(1, elements); }
+
   // Optimizer state as named tensors ("<param>.exp_avg", "<param>.exp_avg_sq") plus the
   // step count, for checkpoints.
   std::vector<std::pair<std::string, Tensor>> state() const override;
@@ -88,8 +111,25 @@ class Optimizer : public OptimizerBase {
   MultiTensorCache norm_cache_, adamw_cache_;    // device tables of the two multi-tensor ops
   int64_t step_ = 0;
 
+  // The overlapped step (begin_step .. step): the armed learning rate, which parameters are
+  // updated already, the bucket being filled (indices into params_) and its elements, the
+  // side stream, and per bucket of the step (in the order they fill, the same every step)
+  // its multi-tensor tables and its gradients' norm (F64 [params]; slot b is bucket b's).
+  int64_t overlap_bucket_elements_ = kOverlapBucketElements;
+  bool armed_ = false;
+  double armed_lr_ = 0;
+  std::vector<bool> updated_;
+  std::vector<size_t> bucket_;
+  int64_t bucket_elements_ = 0;
+  size_t buckets_queued_ = 0;
+  Stream side_;
+  std::vector<MultiTensorCache> bucket_norm_caches_, bucket_adamw_caches_;
+  Tensor bucket_norms_;
+
   AdamWOptions options_for(double lr, int64_t step) const;
   void queue(Context& ctx, const AdamWOptions& options, const Tensor& step_scalars);
+  void queue_bucket(Context& ctx);
+  double finish_overlapped_step(Context& ctx, double lr);
 };
 
 }  // namespace tessera::train

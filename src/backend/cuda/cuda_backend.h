@@ -23,10 +23,14 @@ Allocator& caching_allocator(int device_index);
 void memcpy_any(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void synchronize(void* stream);
 
-// A non-blocking stream on `device` (cudaStreamNonBlocking), and its end (waits for its work;
-// never throws).
-void* create_stream(int device);
+// A non-blocking stream on `device` (cudaStreamNonBlocking) of CUDA stream priority
+// `priority` (0: the default, which is also the lowest; negative: higher, clamped to the
+// device's range), and its end (waits for its work; never throws).
+void* create_stream(int device, int priority = 0);
 void destroy_stream(int device, void* stream);
+// Work queued on `waiter` from now on waits for everything queued on `producer` so far (an
+// event, no host wait; capturable).
+void stream_wait(void* waiter, void* producer);
 
 // cudaMemcpyAsync on `stream` (any direction; no synchronisation: with host memory, use
 // pinned buffers the host leaves alone until the stream has passed the copy).

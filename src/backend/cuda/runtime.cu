@@ -297,15 +297,29 @@ void memcpy_async(void* dst, const void* src, size_t bytes, void* stream) {
 
 void synchronize(void* stream) { TESSERA_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
 
-void* create_stream(int device) {
+void* create_stream(int device, int priority) {
   int previous = 0;
   TESSERA_CUDA_CHECK(cudaGetDevice(&previous));
   TESSERA_CUDA_CHECK(cudaSetDevice(device));
   cudaStream_t s = nullptr;
-  const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  int least = 0, greatest = 0;
+  cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (err == cudaSuccess)
+    err = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, std::min(least, std::max(greatest, priority)));
   cudaSetDevice(previous);
   TESSERA_CUDA_CHECK(err);
   return s;
+}
+
+void stream_wait(void* waiter, void* producer) {
+  if (waiter == producer) return;
+  cudaEvent_t event = nullptr;
+  TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  const cudaError_t recorded = cudaEventRecord(event, static_cast<cudaStream_t>(producer));
+  const cudaError_t waited =
+      recorded == cudaSuccess ? cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), event, 0) : recorded;
+  cudaEventDestroy(event);  // the wait is queued; the event may go
+  TESSERA_CUDA_CHECK(waited);
 }
 
 void destroy_stream(int device, void* stream) {
