@@ -27,6 +27,18 @@ inline Tensor make_targets(int64_t rows, int64_t vocab, DType t, uint64_t seed, 
   return Tensor::from_ints(v, {rows}, t);
 }
 
+// The rows every row-kernel test plants in its logits (rows >= 5): row 0 has every other
+// entry but its target masked to -inf, row 1 is all -inf, row 3 holds one NaN, row 4 is
+// scaled by 1000 (exp overflows without the max subtracted).
+inline void set_special_rows(Tensor& logits, const Tensor& targets) {
+  const int64_t vocab = logits.size(1);
+  for (int64_t v = 0; v < vocab - 1; v += 2)
+    if (v != targets.item(0)) logits.set_item(v, -INFINITY);
+  for (int64_t v = 0; v < vocab; ++v) logits.set_item(1 * vocab + v, -INFINITY);
+  logits.set_item(3 * vocab + vocab / 3, NAN);
+  for (int64_t v = 0; v < vocab; ++v) logits.set_item(4 * vocab + v, 1000.0 * logits.item(4 * vocab + v));
+}
+
 // NaN exactly where the reference has NaN (either way round fails; the first three such
 // elements are named), and a relative error below tol over the other elements.
 inline void expect_close_nan_exact(const Tensor& got_device, const Tensor& want, double tol, const std::string& what) {

@@ -80,12 +80,7 @@ TEST(GpuCrossEntropyForwardBackward, OnePassMatchesTheCpuReference) {
                                  std::to_string(vocab) + "]" + (in_place ? " in place" : " separate");
         Tensor logits = random_tensor({rows, vocab}, t, seed++, -8.0f, 8.0f);
         const Tensor targets = make_targets(rows, vocab, target_t, seed++);
-        for (int64_t v = 0; v < vocab - 1; v += 2)  // row 0: masked entries (not its target)
-          if (v != targets.item(0)) logits.set_item(v, -INFINITY);
-        for (int64_t v = 0; v < vocab; ++v) logits.set_item(1 * vocab + v, -INFINITY);  // row 1: all masked
-        logits.set_item(3 * vocab + vocab / 3, NAN);                                    // row 3: NaN
-        for (int64_t v = 0; v < vocab; ++v)                                             // row 4: large
-          logits.set_item(4 * vocab + v, 1000.0 * logits.item(4 * vocab + v));
+        set_special_rows(logits, targets);  // masked, all masked, NaN and large rows
         // Rows in a buffer whose stride is rounded up to 8 (+8 when separate), as the LM head's.
         const int64_t ld = (vocab + 7) / 8 * 8 + (in_place ? 0 : 8);
         Tensor buffer = Tensor::zeros({rows, ld}, t, kCuda);

@@ -34,14 +34,7 @@ TEST(GpuCrossEntropyRows, EveryKernelChoiceMatchesTheCpuReference) {
         const std::string what = row_case_name(choice.name, t, rows, vocab) + (padded ? " padded stride" : "");
         Tensor logits = random_tensor({rows, vocab}, t, seed++, -8.0f, 8.0f);
         const Tensor targets = make_targets(rows, vocab, target_t, seed++);
-        if (rows >= 6) {
-          for (int64_t v = 0; v < vocab - 1; v += 2)  // row 0: masked entries (not its target)
-            if (v != targets.item(0)) logits.set_item(v, -INFINITY);
-          for (int64_t v = 0; v < vocab; ++v) logits.set_item(1 * vocab + v, -INFINITY);  // row 1: all masked
-          logits.set_item(3 * vocab + vocab / 3, NAN);                                    // row 3: NaN
-          for (int64_t v = 0; v < vocab; ++v)                                             // row 4: large
-            logits.set_item(4 * vocab + v, 1000.0 * logits.item(4 * vocab + v));
-        }
+        if (rows >= 6) set_special_rows(logits, targets);  // masked, all masked, NaN and large rows
         // Device logits: contiguous, or rows of `vocab` in a buffer whose stride is rounded up to 8 (+8).
         const int64_t ld = padded ? (vocab + 7) / 8 * 8 + 8 : vocab;
         Tensor buffer = Tensor::zeros({rows, ld}, t, kCuda);

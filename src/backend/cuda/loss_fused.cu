@@ -135,27 +135,13 @@ __global__ void __cluster_dims__(kCtas, 1, 1) __launch_bounds__(kFusedThreads, (
   // Before the first cluster barrier, so before any block of the row writes (in place).
   if (leader) target.gather(x, vocab, ignore_index);
 
-  float m = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    float v[kWidth];
-    vec::unpack(u[j], v);
-#pragma unroll
-    for (int k = 0; k < kWidth; ++k) m = fmaxf(m, v[k]);
-  }
+  float m = packed_max(u);
   const auto max_op = [](float a, float b) { return fmaxf(a, b); };
   m = block_reduce(m, warp_max, max_op);
   if (threadIdx.x == 0) block_max = m;
   m = cluster_reduce(cluster, &block_max, max_op);
 
-  float s = 0.0f;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    float v[kWidth];
-    vec::unpack(u[j], v);
-#pragma unroll
-    for (int k = 0; k < kWidth; ++k) s += exp2f((v[k] - m) * kLog2e);
-  }
+  float s = packed_exp_sum(u, m);
   const auto sum_op = [](float a, float b) { return a + b; };
   s = block_reduce(s, warp_sum, sum_op);
   if (threadIdx.x == 0) block_sum = s;

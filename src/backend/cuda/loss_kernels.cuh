@@ -24,6 +24,35 @@ constexpr int kReduceThreads = 1024; // the single-block loss sum and gradient s
 // exact near the max where the terms matter, so the scaling's rounding stays relative to d.
 constexpr float kLog2e = 1.4426950408889634f;
 
+// A thread's share of a row held as NV packed vectors: the largest value, and the sum of
+// exp(v - m) for the row's max m. The same order of operations in every kernel that holds
+// its row this way (lse_rows_kernel, the one-pass loss), so they agree to the bit.
+template <int NV, typename T>
+__device__ __forceinline__ float packed_max(const vec::Packed8<T> (&u)[NV]) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    float v[vec::kWidth];
+    vec::unpack(u[j], v);
+#pragma unroll
+    for (int k = 0; k < vec::kWidth; ++k) m = fmaxf(m, v[k]);
+  }
+  return m;
+}
+
+template <int NV, typename T>
+__device__ __forceinline__ float packed_exp_sum(const vec::Packed8<T> (&u)[NV], float m) {
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    float v[vec::kWidth];
+    vec::unpack(u[j], v);
+#pragma unroll
+    for (int k = 0; k < vec::kWidth; ++k) s += exp2f((v[k] - m) * kLog2e);
+  }
+  return s;
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched with launch_pdl may start before
 // the one ahead of it in the stream ends, once every block of that one has called
 // pdl_launch_dependents (or exited); it must call pdl_wait before touching anything the

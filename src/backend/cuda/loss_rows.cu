@@ -80,23 +80,9 @@ __global__ void __launch_bounds__(kLseMaxGroup)
     else vec::fill_neg_inf(u[j]);
   }
   if (live && threadIdx.x == 0) target.gather(x, vocab, ignore_index);
-  float m = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    float v[kWidth];
-    vec::unpack(u[j], v);
-#pragma unroll
-    for (int k = 0; k < kWidth; ++k) m = fmaxf(m, v[k]);
-  }
+  float m = packed_max(u);
   m = group_reduce(m, red[0], [](float a, float b) { return fmaxf(a, b); });
-  float s = 0.0f;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    float v[kWidth];
-    vec::unpack(u[j], v);
-#pragma unroll
-    for (int k = 0; k < kWidth; ++k) s += exp2f((v[k] - m) * kLog2e);
-  }
+  float s = packed_exp_sum(u, m);
   s = group_reduce(s, red[1], [](float a, float b) { return a + b; });
   if (!live || threadIdx.x != 0) return;
   const float value = lse_value(m, s);
