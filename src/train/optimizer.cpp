@@ -64,20 +64,31 @@ void Optimizer::queue(Context& ctx, const AdamWOptions& options, const Tensor& s
   // The norm stays F64 so that the clip factor is computed from the very double the
   // earlier per-parameter path computed on the host (the same bits on the CPU).
   if (!norm_.defined() || norm_.device() != ctx.device) norm_ = Tensor::zeros({1}, DType::F64, ctx.device);
-  std::vector<Tensor> weights, grads, values;
-  std::vector<float> weight_decays;
-  for (nn::Parameter* p : params_) {
-    p->materialize_grad(ctx);  // a lazily zeroed gradient no backward wrote is zeros
-    weights.push_back(p->weights());
-    grads.push_back(p->grad);
-    values.push_back(p->master.defined() ? p->value : Tensor());  // the BF16 copy to refresh
-    weight_decays.push_back(p->weight_decay ? float(config_.weight_decay) : 0.0f);
+  std::vector<size_t> all(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i]->materialize_grad(ctx);  // a lazily zeroed gradient no backward wrote is zeros
+    all[i] = i;
   }
-  global_grad_norm(ctx, grads, norm_, &norm_cache_);
+  Lists l = lists_for(all);
+  global_grad_norm(ctx, l.grads, norm_, &norm_cache_);
   // Clipping scales the gradient, not lr and eps: Adam is scale invariant except for eps,
   // so scaling those would be another update.
-  adamw_step_multi(ctx, weights, grads, exp_avg_, exp_avg_sq_, values, options, weight_decays, norm_,
+  adamw_step_multi(ctx, l.weights, l.grads, l.exp_avg, l.exp_avg_sq, l.values, options, l.weight_decays, norm_,
                    config_.grad_clip > 0 ? config_.grad_clip : 0.0, &adamw_cache_, step_scalars);
+}
+
+Optimizer::Lists Optimizer::lists_for(const std::vector<size_t>& indices) const {
+  Lists l;
+  for (size_t i : indices) {
+    const nn::Parameter* p = params_[i];
+    l.weights.push_back(p->weights());
+    l.grads.push_back(p->grad);
+    l.values.push_back(p->master.defined() ? p->value : Tensor());  // the BF16 copy to refresh
+    l.exp_avg.push_back(exp_avg_[i]);
+    l.exp_avg_sq.push_back(exp_avg_sq_[i]);
+    l.weight_decays.push_back(p->weight_decay ? float(config_.weight_decay) : 0.0f);
+  }
+  return l;
 }
 
 // ---- The update overlapped with the backward -------------------------------------------
@@ -130,21 +141,11 @@ void Optimizer::queue_bucket(Context& ctx) {
   // Tensor-level work of the ops below (a multi-tensor table's first upload) goes on the side
   // stream too.
   const StreamGuard guard(side);
-  std::vector<Tensor> weights, grads, values, exp_avg, exp_avg_sq;
-  std::vector<float> weight_decays;
-  for (size_t i : bucket_) {
-    nn::Parameter* p = params_[i];
-    weights.push_back(p->weights());
-    grads.push_back(p->grad);
-    values.push_back(p->master.defined() ? p->value : Tensor());
-    exp_avg.push_back(exp_avg_[i]);
-    exp_avg_sq.push_back(exp_avg_sq_[i]);
-    weight_decays.push_back(p->weight_decay ? float(config_.weight_decay) : 0.0f);
-  }
+  Lists l = lists_for(bucket_);
   Tensor norm = bucket_norms_.slice(0, static_cast<int64_t>(b), static_cast<int64_t>(b) + 1);
-  global_grad_norm(side, grads, norm, &bucket_norm_caches_[b]);
-  adamw_step_multi(side, weights, grads, exp_avg, exp_avg_sq, values, options_for(armed_lr_, step_ + 1),
-                   weight_decays, Tensor(), 0.0, &bucket_adamw_caches_[b]);
+  global_grad_norm(side, l.grads, norm, &bucket_norm_caches_[b]);
+  adamw_step_multi(side, l.weights, l.grads, l.exp_avg, l.exp_avg_sq, l.values, options_for(armed_lr_, step_ + 1),
+                   l.weight_decays, Tensor(), 0.0, &bucket_adamw_caches_[b]);
   bucket_.clear();
   bucket_elements_ = 0;
 }

@@ -126,6 +126,12 @@ class Optimizer : public OptimizerBase {
   std::vector<MultiTensorCache> bucket_norm_caches_, bucket_adamw_caches_;
   Tensor bucket_norms_;
 
+  // The multi-tensor ops' lists (handles) for the parameters at `indices`, in that order.
+  struct Lists {
+    std::vector<Tensor> weights, grads, values, exp_avg, exp_avg_sq;
+    std::vector<float> weight_decays;
+  };
+  Lists lists_for(const std::vector<size_t>& indices) const;
   AdamWOptions options_for(double lr, int64_t step) const;
   void queue(Context& ctx, const AdamWOptions& options, const Tensor& step_scalars);
   void queue_bucket(Context& ctx);
