@@ -196,7 +196,7 @@ VOCAB = {"gpt2": 50257, "gpt2-v50304": 50304, "llama": 128256, "mixtral2": MIXTR
 
 
 def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, autotune=False, loss_fusion=None,
-                overlap=False):
+                overlap=False, keep_layers=0):
     model = "llama3.2-1b" if name == "llama" else "gpt2-124m"
     if name == "mixtral2":
         model = json.dumps(dict(MIXTRAL2, architecture="mixtral", tie_embeddings=False,
@@ -210,6 +210,8 @@ def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, au
         cmd += ["--gemm-autotune"]
     if overlap:
         cmd += ["--optimizer-overlap"]
+    if keep_layers:
+        cmd += ["--keep-activation-layers", str(keep_layers)]
     env = None
     if loss_fusion:
         env = dict(os.environ, TESSERA_CROSS_ENTROPY_FUSED="1" if loss_fusion == "on" else "0")
@@ -217,7 +219,7 @@ def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, au
     result = json.loads(out)
     result["impl"] = ((f"tessera fp8 ({fp8} scaling)" if fp8 else "tessera bf16") + (" clip" if clip else "") +
                       (" gemm-autotune" if autotune else "") + (f" loss fusion {loss_fusion}" if loss_fusion else "") +
-                      (" optimizer overlap" if overlap else ""))
+                      (" optimizer overlap" if overlap else "") + (f" keep h in {keep_layers}" if keep_layers else ""))
     if name == "mixtral2":  # MFU over the active parameters, as for PyTorch's figure
         m, p = MIXTRAL2, result["params"]
         expert = 3 * m["num_layers"] * m["num_experts"] * m["hidden_size"] * m["intermediate_size"]
@@ -243,6 +245,9 @@ def main():
     ap.add_argument("--optimizer-overlap", action="store_true",
                     help="also time tessera BF16 with the AdamW update overlapped with the backward "
                          "(optimizer.overlap_backward; not with --clip)")
+    ap.add_argument("--keep-activation-layers", type=int, action="append", default=[], metavar="N",
+                    help="llama: also time tessera BF16 with the last N layers keeping the SwiGLU output "
+                         "(model.keep_activation_layers; repeatable; with --loss-fusion these runs use it too)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -259,6 +264,9 @@ def main():
                                        loss_fusion=args.loss_fusion))
         if args.optimizer_overlap and not args.clip:
             results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, overlap=True))
+        for keep in args.keep_activation_layers:
+            results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, clip=args.clip,
+                                       loss_fusion=args.loss_fusion, keep_layers=keep))
         for recipe in args.fp8:
             results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, fp8=recipe, clip=args.clip))
         results.append(run_torch(name, batch, seq, False, args.warmup, args.steps, clip=args.clip))

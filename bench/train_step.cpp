@@ -87,6 +87,11 @@ int main(int argc, char** argv) {
   app.add_flag("--keep-activation", keep_activation,
                "llama: keep the SwiGLU output from forward to backward instead of recomputing it "
                "(model.recompute_activation: false)");
+  int64_t keep_activation_layers = 0;
+  app.add_option("--keep-activation-layers", keep_activation_layers,
+                 "llama: the last N layers keep the SwiGLU output, the others recompute it "
+                 "(model.keep_activation_layers)")
+      ->capture_default_str();
   double grad_clip = train::OptimizerConfig().grad_clip;
   app.add_option("--grad-clip", grad_clip,
                  "Global-norm gradient clipping of the AdamW step (0: none, as bench/gpu_train_step.py's PyTorch "
@@ -119,6 +124,8 @@ int main(int argc, char** argv) {
     models::ModelConfig config = named_or_json(model_json);
     if (vocab > 0) config.vocab_size = vocab;
     if (keep_activation) config.recompute_activation = false;
+    config.keep_activation_layers = keep_activation_layers;
+    config.validate();
     if (device == "cuda" && !cuda_available()) throw std::runtime_error("--device cuda: no GPU present");
     Context ctx = device == "cuda" ? Context::cuda() : Context::cpu();
     const Stream stream = Stream::create(ctx.device, stream_priority);

@@ -1,7 +1,8 @@
 // model.recompute_activation (llama): the SwiGLU output is dropped after the forward and
 // rewritten by the activation's backward. The training step must not change by a bit: loss
 // and every gradient equal with the key on and off, on the CPU and (when present) the GPU.
-// Also the config rules: default on, written only when off, an error outside llama.
+// Also the config rules: default on, written only when off, an error outside llama; and
+// model.keep_activation_layers, which exempts the last N layers.
 #include "tessera/models/transformer_lm.h"
 #include "gpu_testing.h"
 #include "testing.h"
@@ -42,14 +43,23 @@ StepResult step(const models::ModelConfig& c, DType dtype, Context& ctx) {
   return r;
 }
 
+void expect_equal(const StepResult& a, const StepResult& b, const std::string& what) {
+  EXPECT_EQ(a.loss, b.loss) << what;
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_EQ(a.grads[i], b.grads[i]) << what << " parameter " << i;
+}
+
+// Every layer keeping h, every layer recomputing it, and the last layer alone keeping it
+// (model.keep_activation_layers = 1): the same step to the bit.
 void expect_same_step(Context& ctx, DType dtype) {
   models::ModelConfig keep = small_llama();
   keep.recompute_activation = false;
   const models::ModelConfig recompute = small_llama();
-  const StepResult a = step(keep, dtype, ctx), b = step(recompute, dtype, ctx);
-  EXPECT_EQ(a.loss, b.loss) << dtype_name(dtype);
-  ASSERT_EQ(a.grads.size(), b.grads.size());
-  for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_EQ(a.grads[i], b.grads[i]) << dtype_name(dtype) << " parameter " << i;
+  models::ModelConfig partial = small_llama();
+  partial.keep_activation_layers = 1;
+  const StepResult a = step(keep, dtype, ctx), b = step(recompute, dtype, ctx), c = step(partial, dtype, ctx);
+  expect_equal(a, b, std::string(dtype_name(dtype)) + " keep / recompute");
+  expect_equal(a, c, std::string(dtype_name(dtype)) + " keep / keep in the last layer");
 }
 
 }  // namespace
@@ -68,6 +78,29 @@ TEST(RecomputeActivation, ConfigDefaultsOnAndRoundTrips) {
   nlohmann::json gpt2 = c.to_json();
   gpt2["architecture"] = "gpt2";
   gpt2["recompute_activation"] = false;
+  EXPECT_THROW(models::ModelConfig::from_json(gpt2), Error);
+}
+
+TEST(RecomputeActivation, KeepActivationLayersPicksTheLastLayers) {
+  models::ModelConfig c = small_llama();
+  c.num_layers = 3;
+  c.keep_activation_layers = 2;
+  const models::ModelConfig back = models::ModelConfig::from_json(c.to_json());
+  EXPECT_EQ(back.keep_activation_layers, 2);
+  EXPECT_FALSE(small_llama().to_json().contains("keep_activation_layers"));  // the default is not written
+  models::TransformerLM model(c, DType::F32);
+  EXPECT_TRUE(model.layers[0]->mlp.recompute_activation);
+  EXPECT_FALSE(model.layers[1]->mlp.recompute_activation);
+  EXPECT_FALSE(model.layers[2]->mlp.recompute_activation);
+
+  nlohmann::json too_many = c.to_json();
+  too_many["keep_activation_layers"] = 4;
+  EXPECT_THROW(models::ModelConfig::from_json(too_many), Error);
+  too_many["keep_activation_layers"] = -1;
+  EXPECT_THROW(models::ModelConfig::from_json(too_many), Error);
+  nlohmann::json gpt2 = small_llama().to_json();
+  gpt2["architecture"] = "gpt2";
+  gpt2["keep_activation_layers"] = 1;
   EXPECT_THROW(models::ModelConfig::from_json(gpt2), Error);
 }
 

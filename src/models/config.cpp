@@ -37,6 +37,9 @@ void ModelConfig::validate() const {
   TESSERA_CHECK(is_gpt2() || head_dim() % 2 == 0, "model: llama needs an even head dimension for RoPE, got ", head_dim());
   TESSERA_CHECK(intermediate_size >= 0, "model.intermediate_size must be >= 0, got ", intermediate_size);
   TESSERA_CHECK(max_seq_len > 0, "model.max_seq_len must be positive, got ", max_seq_len);
+  TESSERA_CHECK(keep_activation_layers >= 0 && keep_activation_layers <= num_layers,
+                "model.keep_activation_layers must be between 0 and num_layers (", num_layers, "), got ",
+                keep_activation_layers);
   TESSERA_CHECK(norm_eps > 0, "model.norm_eps must be positive, got ", norm_eps);
   TESSERA_CHECK(rope_theta > 0, "model.rope_theta must be positive, got ", rope_theta);
   if (!is_moe()) return;
@@ -82,7 +85,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
                                 "num_experts", "num_experts_per_tok", "router_score", "router_normalize",
                                 "router_num_groups", "router_topk_groups", "router_scaling", "router_aux_loss_coef",
                                 "router_z_loss_coef", "capacity_factor", "expert_bias_rate",
-                                "moe_recompute_activation", "recompute_activation"};
+                                "moe_recompute_activation", "recompute_activation", "keep_activation_layers"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -117,9 +120,12 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   read_key(j, "expert_bias_rate", c.expert_bias_rate);
   read_key(j, "moe_recompute_activation", c.moe_recompute_activation);
   read_key(j, "recompute_activation", c.recompute_activation);
+  read_key(j, "keep_activation_layers", c.keep_activation_layers);
   TESSERA_CHECK(c.architecture == "llama" || !j.contains("recompute_activation"),
                 "model.recompute_activation applies to the llama architecture only (its SwiGLU MLP; mixtral has "
                 "model.moe_recompute_activation)");
+  TESSERA_CHECK(c.architecture == "llama" || !j.contains("keep_activation_layers"),
+                "model.keep_activation_layers applies to the llama architecture only");
   if (!c.is_moe()) {
     for (const char* key : {"num_experts", "num_experts_per_tok", "router_score", "router_normalize", "router_num_groups",
                             "router_topk_groups", "router_scaling", "router_aux_loss_coef", "router_z_loss_coef",
@@ -150,6 +156,7 @@ nlohmann::json ModelConfig::to_json() const {
     if (moe_recompute_activation) j["moe_recompute_activation"] = true;  // written only when set
   }
   if (architecture == "llama" && !recompute_activation) j["recompute_activation"] = false;  // written only when off
+  if (keep_activation_layers != 0) j["keep_activation_layers"] = keep_activation_layers;   // written only when set
   return j;
 }
 

@@ -34,8 +34,12 @@ TransformerLM::TransformerLM(const ModelConfig& config, DType dtype, const nn::P
     tp_ = std::make_shared<TensorParallelParts>(config, dtype, parallel);
     return;
   }
-  for (int64_t i = 0; i < config.num_layers; ++i)
+  for (int64_t i = 0; i < config.num_layers; ++i) {
     layers.push_back(std::make_unique<nn::TransformerLayer>("layers." + std::to_string(i), config, dtype, parallel));
+    // model.keep_activation_layers: the last layers keep h (they are the first the backward
+    // frees; every kept h is live at the activation peak either way).
+    if (i >= config.num_layers - config.keep_activation_layers) layers.back()->mlp.recompute_activation = false;
+  }
   if (!config.tie_embeddings) lm_head = nn::Parameter("lm_head.weight", {config.vocab_size, config.hidden_size}, dtype, true);
   // The head's dW GEMM is its weight's first gradient writer in a step (with tied embeddings
   // the embedding's scatter-add comes last and adds): it may overwrite a lazily zeroed grad.

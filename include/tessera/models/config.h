@@ -44,6 +44,11 @@ struct ModelConfig {
   // pass, instead of keeping it from the forward (bit-identical; saves N x ffn x 2 bytes per
   // layer, nn::MLP::recompute_activation). On by default, as torch.compile does.
   bool recompute_activation = true;
+  // llama, with recompute_activation on: the last N layers keep their SwiGLU output anyway.
+  // Memory for speed, a layer at a time (N x tokens x ffn x 2 bytes more at the activation
+  // peak): the budget a step has left under a memory ceiling is spent on the recompute it
+  // saves. 0 (the default): every layer recomputes.
+  int64_t keep_activation_layers = 0;
 
   bool is_gpt2() const { return architecture == "gpt2"; }
   bool is_moe() const { return architecture == "mixtral"; }

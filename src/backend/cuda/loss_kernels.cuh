@@ -1,6 +1,6 @@
 // Pieces shared by the cross-entropy kernels of loss.cu (the rules, the looping forward, the
 // loss sum, the row-block backward) and loss_rows.cu (the register-row forwards and the flat
-// backward): launch constants, programmatic dependent launch, the per-row target and loss
+// backward): launch constants, the per-row target and loss
 // term, and loss_rows.cu's two entry points. CUDA-only (included by those two .cu files).
 #pragma once
 
@@ -11,6 +11,7 @@
 
 #include "cuda_check.h"
 #include "index_error.h"
+#include "pdl.cuh"
 #include "softmax_tuning.h"
 #include "tessera/core/tensor.h"
 #include "vec_io.cuh"
@@ -53,22 +54,6 @@ __device__ __forceinline__ float packed_exp_sum(const vec::Packed8<T> (&u)[NV], 
   return s;
 }
 
-// Programmatic dependent launch (sm_90): a kernel launched with launch_pdl may start before
-// the one ahead of it in the stream ends, once every block of that one has called
-// pdl_launch_dependents (or exited); it must call pdl_wait before touching anything the
-// earlier kernel writes, and every one of its blocks calls it (so it cannot end first).
-// Without the launch attribute, or below sm_90, both are no-ops.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // The row's loss term lse - logits[n, target], in double, is written by thread 0 of the row
 // next to lse; 0 for an ignored or bad target (the sum skips those rows). Thread 0 loads the
 // target index before the row and the target logit once the row's loads are issued, so
@@ -96,25 +81,6 @@ struct RowTarget {
 
 __device__ __forceinline__ float lse_value(float m, float s) {
   return (m == INFINITY || m == -INFINITY) ? NAN : m + logf(s);
-}
-
-// Launches kernel as a programmatic dependent of the previous work on stream s (see pdl_wait).
-// kUsePdl = false makes it an ordinary launch (the kernels stay correct: pdl_wait is then a
-// no-op and the stream orders them).
-constexpr bool kUsePdl = true;
-template <typename... Params, typename... Args>
-void launch_pdl(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t s, Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = 0;
-  config.stream = s;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = kUsePdl ? 1 : 0;
-  TESSERA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
 template <typename Fn>
