@@ -33,9 +33,9 @@
 //   filter: run only ops whose name contains it (for profiling one kernel with ncu, runs = 1);
 //   --sweep-norm: repeat under every launch shape of the norm kernels (cuda::NormTuning),
 //   the row-group and the warp-row families (--sweep-norm-warp: the warp-row family only)
-//   --sweep-norm-backward: the backward kernels' variants (row-group with its partials added
-//   in clusters, its finalize launched as a programmatic dependent, dx through FMAs; warp-row
-//   at 8 words a lane)
+//   --sweep-norm-backward: the backward kernels' variants (the finalize launched in stream
+//   order instead of as a programmatic dependent, row-group at one or two vectors a thread,
+//   warp-row at 8 and 16 words a lane)
 //   --sweep-softmax: repeat under each softmax forward / cross-entropy kernel choice
 //     (cuda::RowTuning: previous kernels, warp-row kernels with automatic and forced lanes
 //     per row) at both shapes; the filter may list several names, comma-separated
@@ -878,24 +878,14 @@ int main(int argc, char** argv) {
       const char* what;
       cuda::NormTuning tuning;
     };
-    auto row_group = [](int cluster, int fma, int pdl) {
-      cuda::NormTuning t;
-      t.kernel = 1;
-      t.backward_cluster = cluster;
-      t.backward_fma = fma;
-      t.finalize_pdl = pdl;
-      return t;
-    };
+    cuda::NormTuning in_order;
+    in_order.finalize_pdl = 0;
     const Choice choices[] = {
         {"default", {}},
-        {"row-group, partials of 2-block clusters", row_group(2, 0, 0)},
-        {"row-group, partials of 4-block clusters", row_group(4, 0, 0)},
-        {"row-group, partials of 8-block clusters", row_group(8, 0, 0)},
-        {"row-group, finalize as a programmatic dependent", row_group(1, 0, 1)},
-        {"row-group, dx through two FMAs an element", row_group(1, 1, 0)},
-        {"row-group, 8-block clusters, PDL finalize, FMA dx", row_group(8, 1, 1)},
-        {"row-group, 4-block clusters, PDL finalize, FMA dx", row_group(4, 1, 1)},
+        {"finalize launched in stream order (no programmatic dependent launch)", in_order},
+        {"row-group, 1 vector a thread", {0, -1, 1}},
         {"warp-row, 8 words a lane (eight warps a row)", {0, -1, 0, 2}},
+        {"warp-row, 16 words a lane (four warps a row)", {0, -1, 0, 2, 16}},
     };
     for (const Choice& c : choices) {
       cuda::set_norm_tuning(c.tuning);

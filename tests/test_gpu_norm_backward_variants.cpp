@@ -1,17 +1,15 @@
-// The row-group norm backward's variants (cuda::NormTuning: dgamma/dbeta partials added in
-// clusters of 2, 4 or 8 blocks through distributed shared memory, the finalize kernel
-// launched as a programmatic dependent, dx through two FMAs an element), each selected
-// explicitly, against the CPU reference: LayerNorm (with and without beta) and RMSNorm,
-// plain and with the residual gradient fused, F32 and BF16, at widths that take clusters
-// (768, 4096) and at ones that cannot (a row over the clusters' 48 KB of partials, one
-// vector a thread on 16 rows); more rows than one wave (several rows per worker), parameter
-// gradients accumulating onto non-zero values, dx poisoned first. Also, under each variant:
-// the fused backward equals the plain one followed by add() to the bit, and two runs give
-// the same bits. Skipped (saying so) without a GPU.
+// The norm backward's dgamma/dbeta finalize launched as a programmatic dependent (the
+// default, cuda::NormTuning::finalize_pdl) and in stream order, after each backward kernel
+// family that writes its partials (row-group, warp-row, the looping kernels of rows too wide
+// for registers), against the CPU reference: LayerNorm (with and without beta) and RMSNorm,
+// plain and with the residual gradient fused, F32 and BF16; more rows than one wave (several
+// rows per worker), parameter gradients accumulating onto non-zero values, dx poisoned
+// first. Also, under each variant: the fused backward equals the plain one followed by add()
+// to the bit, and two runs give the same bits. Skipped (saying so) without a GPU.
 #include <cmath>
 
 #if TESSERA_WITH_CUDA
-#include "backend/cuda/norm.h"
+#include "gpu_norm_testing.h"
 #endif
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/norm.h"
@@ -26,44 +24,17 @@ namespace {
 
 constexpr float kEps = 1e-5f;
 
-class TuningScope {
- public:
-  explicit TuningScope(const cuda::NormTuning& t) : saved_(cuda::norm_tuning()) { cuda::set_norm_tuning(t); }
-  ~TuningScope() { cuda::set_norm_tuning(saved_); }
-
- private:
-  cuda::NormTuning saved_;
-};
-
 struct Variant {
   const char* name;
   cuda::NormTuning tuning;
 };
 const Variant kVariants[] = {
-    {"row groups, no cluster", {.kernel = 1, .backward_cluster = 1, .backward_fma = 0, .finalize_pdl = 0}},
-    {"2-block clusters", {.kernel = 1, .backward_cluster = 2, .backward_fma = 0, .finalize_pdl = 0}},
-    {"4-block clusters", {.kernel = 1, .backward_cluster = 4, .backward_fma = 0, .finalize_pdl = 0}},
-    {"8-block clusters", {.kernel = 1, .backward_cluster = 8, .backward_fma = 0, .finalize_pdl = 0}},
-    {"PDL finalize", {.kernel = 1, .backward_cluster = 1, .backward_fma = 0, .finalize_pdl = 1}},
-    {"FMA dx", {.kernel = 1, .backward_cluster = 1, .backward_fma = 1, .finalize_pdl = 0}},
-    {"8-block clusters, PDL finalize, FMA dx", {.kernel = 1, .backward_cluster = 8, .backward_fma = 1, .finalize_pdl = 1}},
+    {"row groups, finalize in stream order", {.kernel = 1, .finalize_pdl = 0}},
+    {"row groups, PDL finalize", {.kernel = 1, .finalize_pdl = 1}},
+    {"warp rows, finalize in stream order", {.kernel = 2, .finalize_pdl = 0}},
+    {"warp rows, PDL finalize", {.kernel = 2, .finalize_pdl = 1}},
     {"the default", {}},
 };
-
-double tolerance(DType t) { return t == DType::BF16 ? 1e-2 : 1e-5; }
-Tensor host(const Tensor& t) { return t.defined() ? t.to(Device::cpu()) : Tensor(); }
-Tensor dev(const Tensor& t) { return t.defined() ? t.to(kCuda) : Tensor(); }
-
-void expect_close(const Tensor& got_any, const Tensor& want, double tol, const std::string& what) {
-  const std::vector<double> got = host(got_any).to_doubles(), ref = host(want).to_doubles();
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  for (double v : got)
-    if (std::isnan(v)) {
-      ADD_FAILURE() << what << ": NaN in the GPU's output";
-      return;
-    }
-  EXPECT_LT(relative_error(got, ref), tol) << what;
-}
 
 struct Case {
   bool layer, add, beta;
@@ -114,10 +85,9 @@ const Case kCases[] = {{true, false, true}, {true, false, false}, {true, true, t
 
 TEST(GpuNormBackwardVariants, MatchTheCpuReference) {
   REQUIRE_GPU();
-  // 768 and 4096: the clusters' widths (2001 and 1501 rows: several rows per worker, and row
-  // counts no cluster size divides); 7000 and 16 rows: a row too wide for the clusters'
-  // partials (LayerNorm) and fewer rows than four clusters, which both fall back.
-  const std::pair<int64_t, int64_t> shapes[] = {{2001, 768}, {1501, 4096}, {300, 7000}, {16, 4096}};
+  // 2001 and 1501 rows: several rows per worker; 16 rows: fewer rows than workers; 40000
+  // columns: a row too wide for registers (the looping kernels).
+  const std::pair<int64_t, int64_t> shapes[] = {{2001, 768}, {1501, 4096}, {16, 4096}, {40, 40000}};
   uint64_t seed = 100;
   for (auto [rows, cols] : shapes)
     for (DType t : {DType::BF16, DType::F32})

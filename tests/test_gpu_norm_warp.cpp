@@ -14,7 +14,7 @@
 #include <cstring>
 
 #if TESSERA_WITH_CUDA
-#include "backend/cuda/norm.h"
+#include "gpu_norm_testing.h"
 #endif
 #include "tessera/core/allocator.h"
 #include "tessera/ops/elementwise.h"
@@ -31,16 +31,6 @@ namespace {
 
 constexpr float kEps = 1e-5f;
 
-// Sets the norm tuning for one scope.
-class TuningScope {
- public:
-  explicit TuningScope(const cuda::NormTuning& t) : saved_(cuda::norm_tuning()) { cuda::set_norm_tuning(t); }
-  ~TuningScope() { cuda::set_norm_tuning(saved_); }
-
- private:
-  cuda::NormTuning saved_;
-};
-
 struct Variant {
   const char* name;
   cuda::NormTuning tuning;
@@ -51,32 +41,11 @@ const Variant kVariants[] = {
     {"warp rows, 8 words (many warps a row)", {.kernel = 2, .warp_words = 8}},
 };
 
-double tolerance(DType t) { return t == DType::BF16 ? 1e-2 : 1e-5; }
 int64_t rows_of(const Shape& s) { return shape_numel(s) / s.back(); }
-Tensor host(const Tensor& t) { return t.defined() ? t.to(Device::cpu()) : Tensor(); }
-Tensor dev(const Tensor& t) { return t.defined() ? t.to(kCuda) : Tensor(); }
 Tensor poisoned(const Shape& shape, DType t, Device d) {
   Tensor h = Tensor::empty(shape, t);
   poison(h);
   return h.to(d);
-}
-
-// NaN exactly where the reference has NaN, close elsewhere.
-void expect_close(const Tensor& got_any, const Tensor& want, double tol, const std::string& what) {
-  const std::vector<double> got = host(got_any).to_doubles(), ref = host(want).to_doubles();
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  std::vector<double> g, r;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(ref[i])) {
-      EXPECT_TRUE(std::isnan(got[i])) << what << ": element " << i << " should be NaN";
-      continue;
-    }
-    EXPECT_FALSE(std::isnan(got[i])) << what << ": element " << i << " is NaN";
-    if (std::isnan(got[i])) return;
-    g.push_back(got[i]);
-    r.push_back(ref[i]);
-  }
-  EXPECT_LT(relative_error(g, r), tol) << what;
 }
 
 // One case's inputs and everything forward + backward produce.

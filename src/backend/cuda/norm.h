@@ -34,11 +34,9 @@ bool norm_supported(std::initializer_list<const Tensor*> activations, std::initi
 struct NormTuning {
   int forward_vectors = 0, forward_persistent = -1, backward_vectors = 0;
   int kernel = 0, warp_words = 0;
-  // Row-group backward: blocks per cluster that add their dgamma/dbeta partials in shared
-  // memory before writing them (0: the default; 1: none), dx through two FMAs an element
-  // (-1: the default; 0 off; 1 on), and the finalize kernel launched as a programmatic
-  // dependent (-1: the default; 0 off; 1 on).
-  int backward_cluster = 0, backward_fma = -1, finalize_pdl = -1;
+  // The backward's dgamma/dbeta finalize launched as a programmatic dependent of the kernel
+  // that writes its partials (-1: the default, on; 0: an ordinary launch, for A/B runs).
+  int finalize_pdl = -1;
 };
 void set_norm_tuning(const NormTuning& tuning);
 NormTuning norm_tuning();

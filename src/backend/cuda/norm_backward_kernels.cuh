@@ -13,14 +13,18 @@
 // default 4096 BF16 shape (two vectors a thread, 128 at most): LayerNorm 128 -> 128, fused
 // 128 -> 128 with the early residual (it spilled 40 bytes with the partial in registers);
 // one vector a thread (64 at most) spills 40 bytes instead of 108.
+// The finalize kernel is launched as a programmatic dependent of the kernel that writes the
+// partials (the register kernel below lets it be scheduled once its rows are done): +1 to 3 points of copy on every norm
+// backward (H200, twentieth session). Tried and dropped there: the partials added across
+// clusters of 2-8 blocks through distributed shared memory before being written (6-9 points
+// slower: fewer resident blocks), and dx through two FMAs an element (the fused LayerNorm
+// backward spills: 84.5% -> 71.3%).
 // Tried and dropped (fourteenth session, H200, same shape; bench/RESULTS.md): the plain
 // LayerNorm backward (77-79% of copy; 16 warps an SM, 0.66 instructions issued a cycle per
 // scheduler under ncu) with the next 1-3 rows' x and dy staged in shared memory by cp.async
 // instead of one row in registers: 65-66%; with xhat and dy * gamma recomputed after the
 // reduction to fit three blocks an SM in 80 registers: it spills, 50%.
 #pragma once
-
-#include <cooperative_groups.h>
 
 #include "norm_kernels.cuh"
 #include "pdl.cuh"
@@ -43,14 +47,7 @@ namespace {
 // block (norm_launch.cuh sizes it), each thread its own slots (no barrier). In registers it took 16 of the 128 a thread may have (BF16,
 // two vectors a thread), which left no room for loading the residual gradient early (it
 // spilled); a read-add-write of four 16-byte words a row costs little beside that.
-//
-// Launched in clusters (row groups of a whole block, every worker live), the blocks of a
-// cluster add their partials through distributed shared memory before writing one partial
-// row for the cluster, so the finalize reads a cluster-th of the rows.
-// kFmaOut: dx = fma(r, g, fma(-r * mean(g * xhat), xhat, -r * mean(g))) (two operations
-// an element) instead of the reference's r * ((g - mean(g)) - xhat * mean(g * xhat))
-// (four): within a few float roundings of it, not its bits.
-template <typename T, int VEC, int NV, bool kLayer, bool kAdd, bool kFmaOut>
+template <typename T, int VEC, int NV, bool kLayer, bool kAdd>
 __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
     norm_backward_kernel(const T* dy, const T* x, Param gamma, const float* mean, const float* rstd,
                          const T* d_residual, T* dx, float* dgamma_part, float* dbeta_part, int64_t rows, int64_t cols,
@@ -196,7 +193,6 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
     group_sum(sums, red[step & 1]);
     const float mean_g = float(sums[0] * inv_cols), mean_g_xhat = float(sums[1] * inv_cols);
     if (!live) continue;
-    const float neg_r_mean_g = -(r * mean_g), neg_r_mean_g_xhat = -(r * mean_g_xhat);  // kFmaOut
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
@@ -204,15 +200,9 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
       float out[VEC];
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        if constexpr (kFmaOut) {
-          const float rest = kLayer ? fmaf(neg_r_mean_g_xhat, xhat[j][k], neg_r_mean_g)
-                                    : neg_r_mean_g_xhat * xhat[j][k];
-          out[k] = fmaf(r, gd[j][k], rest);
-        } else {
-          const float t = __fmul_rn(xhat[j][k], mean_g_xhat);
-          out[k] =
-              kLayer ? __fmul_rn(r, __fsub_rn(__fsub_rn(gd[j][k], mean_g), t)) : __fmul_rn(r, __fsub_rn(gd[j][k], t));
-        }
+        const float t = __fmul_rn(xhat[j][k], mean_g_xhat);
+        out[k] =
+            kLayer ? __fmul_rn(r, __fsub_rn(__fsub_rn(gd[j][k], mean_g), t)) : __fmul_rn(r, __fsub_rn(gd[j][k], t));
       }
       if constexpr (kAdd) {
         float dr[VEC];
@@ -229,58 +219,6 @@ __global__ void __launch_bounds__(kMaxGroupThreads, NV == 1 ? 2 : 1)
   // The finalize kernel (a programmatic dependent) may be scheduled as blocks leave; it waits
   // for this grid to end before it reads the partials.
   pdl_launch_dependents();
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  const unsigned cluster_blocks = cluster.num_blocks();
-  if (cluster_blocks > 1) {
-    // Every block is one live worker here (the launcher's rule). The block's partials go to
-    // shared memory by column (dgamma, then dbeta), the dynamic buffer of the dbeta slots,
-    // which are first read back into registers.
-    float* column = reinterpret_cast<float*>(dbeta_slots);
-    float own_dbeta[kDbetaShared ? NV : 1][VEC];
-    if constexpr (kDbetaShared) {
-      if (has_dbeta) {
-#pragma unroll
-        for (int j = 0; j < NV; ++j)
-          for_dbeta_units(j, [&](const auto& slot, int k) {
-            if constexpr (VEC == 1) {
-              own_dbeta[j][0] = slot;
-            } else {
-              own_dbeta[j][k] = slot.x, own_dbeta[j][k + 1] = slot.y, own_dbeta[j][k + 2] = slot.z,
-              own_dbeta[j][k + 3] = slot.w;
-            }
-          });
-      }
-      __syncthreads();  // every slot read before the buffer is rewritten
-    }
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int64_t c = (int64_t(j) * blockDim.x + threadIdx.x) * VEC;
-      if (c >= cols) continue;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        column[c + k] = acc_g[j][k];
-        if constexpr (kLayer) {
-          if (has_dbeta) column[cols + c + k] = kDbetaShared ? own_dbeta[j][k] : acc_b[kDbetaShared ? 0 : j][k];
-        }
-      }
-    }
-    cluster.sync();
-    // Block `rank` adds its share of the columns over the cluster's blocks, in rank order
-    // (in double, rounded once), into the cluster's partial row.
-    const int64_t n = has_dbeta ? 2 * cols : cols;
-    const unsigned rank = cluster.block_rank();
-    const int64_t lo = n * rank / cluster_blocks, hi = n * (rank + 1) / cluster_blocks;
-    const int64_t out_row = blockIdx.x / cluster_blocks;
-    for (int64_t i = lo + block_thread; i < hi; i += block_threads) {
-      double total = 0;
-      for (unsigned b = 0; b < cluster_blocks; ++b) total += double(cluster.map_shared_rank(column, b)[i]);
-      if (i < cols) dgamma_part[out_row * cols + i] = float(total);
-      else dbeta_part[out_row * cols + (i - cols)] = float(total);
-    }
-    cluster.sync();  // no block leaves while another reads its shared memory
-    return;
-  }
   if (!live_worker) return;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {

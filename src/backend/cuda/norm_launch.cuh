@@ -84,37 +84,6 @@ void dispatch_nv(int nv, Fn&& fn) {
   }
 }
 
-// Clusters of `cluster` blocks of `kernel` (threads a block, smem bytes of dynamic shared
-// memory) that can be resident at once on `device`, cached.
-int resident_clusters(const void* kernel, int threads, int cluster, int device, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int, int, size_t>, int> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(kernel, threads, cluster, device, smem);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(cluster));
-  config.blockDim = dim3(unsigned(threads));
-  config.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = unsigned(cluster);
-  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  int value = 0;
-  TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&value, kernel, &config));
-  cache.emplace(key, value);
-  return value;
-}
-
-// The row-group backward's defaults (NormTuning::backward_cluster, backward_fma and
-// finalize_pdl when 0 / -1): see norm_backward_kernels.cuh for what each does.
-constexpr int kBackwardCluster = 1;
-constexpr bool kBackwardFma = false;
-constexpr bool kFinalizePdl = true;  // measured +1-3 points of copy on every norm backward (bench/RESULTS.md, twentieth session)
-
 // The warp-row kernels (norm_warp.cuh) for a row of `vectors` 16-byte vectors: the fewest
 // warps per row (1 to 8) with at most max_words words of the row per lane (or, when eight
 // warps do not suffice, up to max_nv vectors), and the vectors per lane (a power of two);
@@ -336,54 +305,25 @@ void norm_backward(void* stream, const Tensor& dy, const Tensor& x, const Tensor
           dy.data<T>(), x.data<T>(), g, mean_ptr, rstd.data<float>(), d_residual_ptr, dx.data<T>(), cols);
       return;
     }
-    const bool fma_out = tuning.backward_fma >= 0 ? tuning.backward_fma == 1 : kBackwardFma;
-    const int cluster_wanted = tuning.backward_cluster > 0 ? tuning.backward_cluster : kBackwardCluster;
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       dispatch_nv<kMaxBackwardVectors>(cfg.nv, [&](auto nv_tag) {
         constexpr int NV = decltype(nv_tag)::value;
-        auto kernel = fma_out ? norm_backward_kernel<T, VEC, NV, kLayer, kAdd, true>
-                              : norm_backward_kernel<T, VEC, NV, kLayer, kAdd, false>;
+        auto kernel = norm_backward_kernel<T, VEC, NV, kLayer, kAdd>;
         const int threads = cfg.tpr * cfg.rpb;
         // The fused LayerNorm backward's dbeta partials (kDbetaShared: two or more vectors a
         // thread), VEC floats a vector of every thread, in shared memory
         // (norm_backward_kernels.cuh): at most 512 threads x 2 vectors x 8 x 4 B = 32 KB.
-        const size_t slot_smem =
-            kLayer && kAdd && NV > 1 && has_dbeta ? size_t(threads) * NV * VEC * sizeof(float) : 0;
-        // Clusters add their partials in shared memory (a row of dgamma and one of dbeta a
-        // block, in the same buffer): only with one row group a block (every block a live
-        // worker) and when the rows fit the default 48 KB.
-        const size_t column_smem = size_t(has_dbeta ? 2 : 1) * size_t(cols) * sizeof(float);
-        int cluster = cfg.rpb == 1 && column_smem <= 48 * 1024 && rows >= 4 * cluster_wanted ? cluster_wanted : 1;
-        const size_t smem = cluster > 1 ? std::max(slot_smem, column_smem) : slot_smem;
-        const void* kernel_ptr = reinterpret_cast<const void*>(kernel);
-        int64_t blocks = 0;
-        if (cluster > 1) {
-          const int64_t clusters = std::min<int64_t>(rows / cluster,
-                                                     resident_clusters(kernel_ptr, threads, cluster, device, smem));
-          if (clusters > 0) blocks = clusters * cluster;
-          else cluster = 1;
-        }
-        if (cluster == 1) {
-          // One wave of workers: each resident row group is a worker.
-          const int64_t resident = int64_t(sms) * device_query(kernel_ptr, threads, device, smem);
-          blocks = ceil_div(std::min<int64_t>(rows, resident * cfg.rpb), cfg.rpb);
-          workers = std::min<int64_t>(rows, resident * cfg.rpb);
-        } else {
-          workers = blocks;
-        }
-        const int64_t partial_rows = cluster > 1 ? blocks / cluster : workers;
-        const int64_t row_workers = workers;
-        workers = partial_rows;  // what column_finalize_kernel adds
+        const size_t smem = kLayer && kAdd && NV > 1 && has_dbeta ? size_t(threads) * NV * VEC * sizeof(float) : 0;
+        // One wave of workers: each resident row group is a worker.
+        const int64_t resident =
+            int64_t(sms) * device_query(reinterpret_cast<const void*>(kernel), threads, device, smem);
+        workers = std::min<int64_t>(rows, resident * cfg.rpb);
         make_partials();
-        dbeta_part = has_dbeta ? partials.data<float>() + partial_rows * cols : nullptr;
-        LaunchOptions o;
-        o.grid = dim3(unsigned(blocks));
-        o.block = dim3(cfg.tpr, cfg.rpb);
-        o.smem = smem;
-        o.cluster = unsigned(cluster);
-        launch_ex(kernel, o, s, dy.data<T>(), x.data<T>(), g, mean_ptr, rstd.data<float>(), d_residual_ptr,
-                  dx.data<T>(), partials.data<float>(), dbeta_part, rows, cols, row_workers);
+        dbeta_part = has_dbeta ? partials.data<float>() + workers * cols : nullptr;
+        kernel<<<unsigned(ceil_div(workers, cfg.rpb)), dim3(cfg.tpr, cfg.rpb), smem, s>>>(
+            dy.data<T>(), x.data<T>(), g, mean_ptr, rstd.data<float>(), d_residual_ptr, dx.data<T>(),
+            partials.data<float>(), dbeta_part, rows, cols, workers);
       });
     };
     if (vectorized) launch(Int<kVec>{});
@@ -393,15 +333,12 @@ void norm_backward(void* stream, const Tensor& dy, const Tensor& x, const Tensor
   // The partials go back to the caching allocator when this returns; reuse is ordered on the
   // stream, as for every temporary of the CUDA backend.
   // dgamma and dbeta in one launch (blockIdx.y); dbeta's partials follow dgamma's.
-  // Launched as a programmatic dependent (when chosen): it is then scheduled as the blocks
-  // before it leave, and waits for their grid's end before reading the partials.
-  const NormTuning tuning = norm_tuning();
-  LaunchOptions o;
-  o.grid = dim3(unsigned(ceil_div(cols, 32)), has_dbeta ? 2 : 1);
-  o.block = dim3(32, kFinalizeLanes);
-  o.pdl = tuning.finalize_pdl >= 0 ? tuning.finalize_pdl == 1 : kFinalizePdl;
-  launch_ex(column_finalize_kernel, o, s, partials.data<float>(), workers, cols, param_of(dgamma),
-            has_dbeta ? param_of(*dbeta) : Param{nullptr, false});
+  // A programmatic dependent (unless NormTuning::finalize_pdl = 0): it is scheduled as the
+  // blocks before it leave, and waits for their grid's end before reading the partials.
+  launch_pdl_if(norm_tuning().finalize_pdl != 0, column_finalize_kernel,
+                dim3(unsigned(ceil_div(cols, 32)), has_dbeta ? 2 : 1), dim3(32, kFinalizeLanes), s,
+                partials.data<float>(), workers, cols, param_of(dgamma),
+                has_dbeta ? param_of(*dbeta) : Param{nullptr, false});
 }
 
 }  // namespace

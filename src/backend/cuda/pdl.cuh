@@ -1,12 +1,9 @@
-// Launch helpers for sm_90 features that need cudaLaunchKernelEx: programmatic dependent
-// launch (a kernel that may start before the one ahead of it in the stream ends) and thread
-// block clusters sized at run time. Shared by the cross-entropy kernels (loss*.cu) and the
-// norm backward (norm_launch.cuh). CUDA-only.
+// Programmatic dependent launch (sm_90, through cudaLaunchKernelEx): a kernel that may start
+// before the one ahead of it in the stream ends. Shared by the cross-entropy kernels
+// (loss*.cu) and the norm backward's finalize (norm_launch.cuh). CUDA-only.
 #pragma once
 
 #include <cuda_runtime.h>
-
-#include <cstddef>
 
 #include "cuda_check.h"
 
@@ -28,50 +25,29 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-struct LaunchOptions {
-  dim3 grid, block;
-  size_t smem = 0;       // dynamic shared memory per block
-  unsigned cluster = 1;  // blocks per cluster along x (1: no cluster)
-  bool pdl = false;      // a programmatic dependent of the previous work on the stream
-};
-
+// Launches kernel on stream s, as a programmatic dependent of the previous work there when
+// `pdl` (see pdl_wait), as an ordinary launch otherwise (the kernels stay correct: pdl_wait
+// is then a no-op and the stream orders them).
 template <typename... Params, typename... Args>
-void launch_ex(void (*kernel)(Params...), const LaunchOptions& o, cudaStream_t s, Args... args) {
+void launch_pdl_if(bool pdl, void (*kernel)(Params...), dim3 blocks, dim3 threads, cudaStream_t s, Args... args) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = o.grid;
-  config.blockDim = o.block;
-  config.dynamicSmemBytes = o.smem;
+  config.gridDim = blocks;
+  config.blockDim = threads;
+  config.dynamicSmemBytes = 0;
   config.stream = s;
-  cudaLaunchAttribute attribute[2];
-  unsigned n = 0;
-  if (o.pdl) {
-    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  if (o.cluster > 1) {
-    attribute[n].id = cudaLaunchAttributeClusterDimension;
-    attribute[n].val.clusterDim.x = o.cluster;
-    attribute[n].val.clusterDim.y = 1;
-    attribute[n].val.clusterDim.z = 1;
-    ++n;
-  }
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = n;
+  config.numAttrs = pdl ? 1 : 0;
   TESSERA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
-// Launches kernel as a programmatic dependent of the previous work on stream s (see pdl_wait).
-// kUsePdl = false makes it an ordinary launch (the kernels stay correct: pdl_wait is then a
-// no-op and the stream orders them).
+// The cross-entropy kernels' launch (kUsePdl = false would make them ordinary launches).
 constexpr bool kUsePdl = true;
 template <typename... Params, typename... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 blocks, dim3 threads, cudaStream_t s, Args... args) {
-  LaunchOptions o;
-  o.grid = blocks;
-  o.block = threads;
-  o.pdl = kUsePdl;
-  launch_ex(kernel, o, s, args...);
+  launch_pdl_if(kUsePdl, kernel, blocks, threads, s, args...);
 }
 
 }  // namespace tessera::cuda
