@@ -34,7 +34,9 @@
 // scale known (delayed scaling) only the cast pass runs: 6 B, 1.41 GB, ~0.34 ms.
 // Measured (H200, 2026-12-02, bench_bandwidth moe_swiglu): that one pass 602 us, 62.5% of
 // copy (ncu, inside bench_moe: 0.51 ms). 63 registers, 4 blocks of 256 an SM; capping the
-// registers for 5 blocks spilled and ran slower (614 us).
+// registers for 5 blocks spilled and ran slower (614 us), and so did the next tile copied
+// into shared memory by cp.async while this one is worked on (657.6 us against 593.2,
+// 2026-12-03): the loads are not what it waits on.
 #include "moe_fp8.h"
 
 #include <cuda_runtime.h>

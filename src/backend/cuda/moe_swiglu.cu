@@ -40,7 +40,10 @@
 // ncu (inside bench_moe, 2026-12-02): 870 us, DRAM 56% of peak, L2 73%, SM 65%, 74-80
 // registers (3 blocks an SM, 37.5% occupancy). More occupancy does not help: capped at 64
 // registers (4 blocks) it ran 1272 us, at 48 (5 blocks, spilling) 1619 us, against 1239-1241
-// uncapped in the same run (bench_bandwidth).
+// uncapped in the same run (bench_bandwidth). Nor does taking the loads off the critical
+// path: the next tile copied into a shared-memory ring by cp.async over a persistent grid
+// (same registers and blocks) ran 1231.7 us against 1234.2 (2026-12-03): the tile's barriers
+// and its byte-wise transposed read are what hold it, not DRAM latency.
 #include <cuda_bf16.h>
 
 #include <algorithm>
