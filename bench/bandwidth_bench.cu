@@ -54,7 +54,6 @@
 
 #include "gpu_timing.h"
 #include "backend/cuda/copy.h"
-#include "backend/cuda/moe_fp8.h"
 #include "backend/cuda/norm.h"
 #include "backend/cuda/softmax_tuning.h"
 #include "tessera/core/allocator.h"
@@ -478,30 +477,6 @@ void run_shape(int64_t R, int64_t C) {
       c1.expect(rel_error(ds_1, ds), 1e-5, "d_scale");
       c1.expect(byte_mismatch(am_1, am), 0, "amax");
       table.add("moe_swiglu_backward -> E5M2, delayed (1 pass)", 10 * NH, ms_1, c1.text());
-      // The same with the tile kernel instead of the split form (moe_fp8_split_casts: flat
-      // row-wise codes, then the transposed copy from them), its bytes checked against the
-      // above. The split form moves 2 B more per element of h (the codes read back).
-      cuda::set_moe_fp8_split_casts(false);
-      const double ms_t = median_ms([&] { one(); }, g_runs);
-      const MoEFp8Rows t = one();
-      cuda::set_moe_fp8_split_casts(true);
-      Check ct;
-      ct.expect(byte_mismatch(t.data, a.data), 0, "data");
-      ct.expect(byte_mismatch(t.data_t, a.data_t), 0, "data_t");
-      table.add("moe_swiglu_backward -> E5M2, delayed, tile kernel", 10 * NH, ms_t, ct.text());
-      // The split form's second half alone: the transposed copy of dx's codes (2 B per
-      // element of h read, 2 written), checked against the one-kernel form's.
-      {
-        const std::vector<int64_t> padded(a.padded_offsets.begin(), a.padded_offsets.end());
-        Tensor data_t2 = a.data_t.clone();
-        poison(data_t2);
-        auto tr = [&] { cuda::moe_fp8_transpose_rows(gpu.stream, a.data, splits, padded, data_t2); };
-        const double ms_tr = median_ms(tr, g_runs);
-        tr();
-        Check cr;
-        cr.expect(byte_mismatch(data_t2, t.data_t), 0, "data_t");
-        table.add("moe FP8 codes transposed (dx, padded)", 4 * NH, ms_tr, cr.text());
-      }
     }
     // The forward's SwiGLU -> E4M3 cast with the scale known (delayed scaling: one pass, x read
     // 4 B, 2 codes written = 6 B per element of h), its codes checked against current
@@ -517,14 +492,6 @@ void run_shape(int64_t R, int64_t C) {
       cc.expect(byte_mismatch(a.data, b.data), 0, "data");
       cc.expect(byte_mismatch(a.data_t, b.data_t), 0, "data_t");
       table.add("moe_swiglu_forward -> E4M3, delayed (1 pass)", 6 * NH, ms_c, cc.text());
-      cuda::set_moe_fp8_split_casts(false);
-      const double ms_t = median_ms([&] { cast(); }, g_runs);
-      const MoEFp8Rows t = cast();
-      cuda::set_moe_fp8_split_casts(true);
-      Check ct;
-      ct.expect(byte_mismatch(t.data, a.data), 0, "data");
-      ct.expect(byte_mismatch(t.data_t, a.data_t), 0, "data_t");
-      table.add("moe_swiglu_forward -> E4M3, delayed, tile kernel", 6 * NH, ms_t, ct.text());
     }
   }
 

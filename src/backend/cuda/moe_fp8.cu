@@ -42,12 +42,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
-#include "code_tile.cuh"
 #include "cuda_check.h"
 #include "fp8_cvt.cuh"
 #include "moe_common.cuh"
@@ -178,85 +174,6 @@ __global__ void __launch_bounds__(kThreads)
   if (amax_bits) fp8cvt::block_atomic_max(m, amax_bits);
 }
 
-// The two halves of the split form (moe_fp8_split_casts): the row-wise codes first, by a flat
-// kernel that streams rows as the BF16 SwiGLU forward does, then the transposed copy from
-// those codes (transpose_codes_padded_kernel below).
-//
-// Flat over the kept rows' 8-element vectors of h: the codes of vector v go to q + 8 v (data
-// is contiguous [rows, cols]); amax as cast_padded_vector_kernel's (the kept rows' values).
-template <bool kE4M3>
-__global__ void __launch_bounds__(kThreads)
-    swiglu_cast_rows_kernel(const uint16_t* x, AnyPtr prob, const float* scale, uint8_t* q, int64_t cols,
-                            int64_t vectors, uint32_t* amax_bits) {
-  constexpr int kVecs = 4;  // 16-byte vectors in flight per thread and operand
-  const float s = *scale;
-  const int64_t per_row = cols / 8, step = int64_t(gridDim.x) * kThreads * kVecs;
-  uint32_t m = 0;
-  for (int64_t base = blockIdx.x * int64_t(kThreads * kVecs); base < vectors; base += step) {
-    uint4 g[kVecs], u[kVecs];
-    float sc[kVecs];
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {  // every load before any math
-      const int64_t v = base + k * kThreads + threadIdx.x;
-      if (v >= vectors) continue;
-      const int64_t r = v / per_row, c = (v - r * per_row) * 8;
-      g[k] = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * cols + c));
-      u[k] = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * cols + cols + c));
-      sc[k] = prob.load(r);
-    }
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      const int64_t v = base + k * kThreads + threadIdx.x;
-      if (v >= vectors) continue;
-      float f[8], uf[8];
-      unpack8(g[k], f);
-      unpack8(u[k], uf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        f[i] = swiglu(f[i], uf[i], sc[k]);
-        m = max(m, fp8cvt::abs_bits(f[i]));
-      }
-      uint32_t words[2];
-      fp8cvt::quantize_words<kE4M3, 8>(f, s, words);
-      *reinterpret_cast<uint2*>(q + v * 8) = make_uint2(words[0], words[1]);
-    }
-  }
-  if (amax_bits) fp8cvt::block_atomic_max(m, amax_bits);
-}
-
-// data_t [cols, width] from the row-wise codes q [rows, cols]: tiles of 64 padded positions x
-// 128 codes (code_tile.cuh), each thread loading two 16-byte pieces of source rows (zeros for
-// padding positions) into the swizzled word tile, which store_transposed writes out as 8-byte
-// pieces of data_t rows. Needs cols % 16 == 0 and q, q_t 16-byte aligned; width % 16 == 0
-// (the padded layout's) keeps every 8-position group inside one expert.
-__global__ void __launch_bounds__(code_tile::kThreads)
-    transpose_codes_padded_kernel(const uint8_t* q, uint8_t* q_t, int64_t cols, int64_t width, ExpertTable table,
-                                  int64_t tiles_across, int64_t tiles, bool down_first) {
-  using namespace code_tile;
-  __shared__ __align__(16) uint32_t tile[kRows][kWords];
-  constexpr int kPieces = kCols / 16;  // 16-byte pieces of a tile row
-  const int64_t tiles_down = tiles / tiles_across;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t p0 = (down_first ? t % tiles_down : t / tiles_across) * kRows;
-    const int64_t c0 = (down_first ? t / tiles_down : t % tiles_across) * kCols;
-#pragma unroll
-    for (int k = 0; k < kRows * kPieces / kThreads; ++k) {
-      const int id = int(threadIdx.x) + k * kThreads, pl = id / kPieces, piece = id % kPieces;
-      const int64_t p = p0 + pl, c = c0 + piece * 16;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (p < width && c < cols) {
-        const int64_t src = source_row(table, p);
-        if (src >= 0) v = __ldg(reinterpret_cast<const uint4*>(q + src * cols + c));
-      }
-      // Four words of one row: the swizzle permutes groups of four words as units.
-      *reinterpret_cast<uint4*>(&tile[pl][swizzle(pl, piece * 4)]) = v;
-    }
-    __syncthreads();
-    store_transposed(tile, q_t, width, p0, c0, cols);
-    __syncthreads();  // the tile is rewritten by the next iteration
-  }
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     swiglu_amax_scalar_kernel(const T* x, AnyPtr prob, uint32_t* amax_bits, int64_t rows, int64_t cols) {
@@ -296,29 +213,6 @@ void zero_padding(cudaStream_t s, const std::vector<int64_t>& splits, const std:
   }
 }
 
-void launch_transpose(cudaStream_t s, const Tensor& data, const ExpertTable& table, Tensor& data_t) {
-  const int64_t cols = data.size(1), width = data_t.size(1);
-  const int64_t across = (cols + code_tile::kCols - 1) / code_tile::kCols;
-  const int64_t tiles = (width + code_tile::kRows - 1) / code_tile::kRows * across;
-  if (tiles == 0) return;
-  // Experiment (twenty-first session): TESSERA_MOE_TRANSPOSE=0 position-major tile order,
-  // 1 feature-major, 2 feature-major on a grid of 4 blocks a multiprocessor.
-  static const int mode = [] {
-    const char* v = std::getenv("TESSERA_MOE_TRANSPOSE");
-    return v ? std::atoi(v) : 0;
-  }();
-  int64_t blocks = std::min(tiles, kMaxBlocks);
-  if (mode == 2) {
-    int device = 0, sms = 0;
-    TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    blocks = std::min(tiles, int64_t(sms) * 4);
-  }
-  transpose_codes_padded_kernel<<<unsigned(blocks), code_tile::kThreads, 0, s>>>(
-      data.data<uint8_t>(), data_t.data<uint8_t>(), cols, width, table, across, tiles, mode != 0);
-  TESSERA_CUDA_CHECK_LAUNCH();
-}
-
 template <bool kSwiglu>
 void launch_cast(cudaStream_t s, const Tensor& x, const Tensor& prob, const Tensor& scale,
                  const std::vector<int64_t>& splits, const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t,
@@ -331,21 +225,6 @@ void launch_cast(cudaStream_t s, const Tensor& x, const Tensor& prob, const Tens
   const bool e4m3 = data.dtype() == DType::E4M3;
   const bool vector = x.dtype() == DType::BF16 && cols % 8 == 0 && aligned(x.raw_data(), 16) &&
                       aligned(data.raw_data(), 8) && aligned(data_t.raw_data(), 16);
-  if (vector && kSwiglu && moe_fp8_split_casts() && moe_fp8_transpose_supported(data, data_t)) {
-    // The split form: row-wise codes from the flat kernel, then their transposed copy.
-    const int64_t vectors = kept * (cols / 8), per_block = int64_t(kThreads) * 4;
-    const unsigned blocks = unsigned(std::min<int64_t>((vectors + per_block - 1) / per_block, int64_t{1} << 30));
-    const auto* xp = static_cast<const uint16_t*>(x.raw_data());
-    if (e4m3)
-      swiglu_cast_rows_kernel<true><<<blocks, kThreads, 0, s>>>(xp, any_ptr(prob), scale.data<float>(),
-                                                                data.data<uint8_t>(), cols, vectors, amax_bits);
-    else
-      swiglu_cast_rows_kernel<false><<<blocks, kThreads, 0, s>>>(xp, any_ptr(prob), scale.data<float>(),
-                                                                 data.data<uint8_t>(), cols, vectors, amax_bits);
-    TESSERA_CUDA_CHECK_LAUNCH();
-    launch_transpose(s, data, table, data_t);
-    return;
-  }
   if (vector) {
     const int64_t across = (cols + kVTile - 1) / kVTile, tiles = (width + kVTile - 1) / kVTile * across;
     const unsigned blocks = unsigned(std::min(tiles, kMaxBlocks));
@@ -382,33 +261,6 @@ void launch_cast(cudaStream_t s, const Tensor& x, const Tensor& prob, const Tens
 }
 
 }  // namespace
-
-namespace {
-std::atomic<bool>& split_casts_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* v = std::getenv("TESSERA_MOE_SPLIT_CASTS");
-    return !(v && std::string(v) == "0");
-  }()};
-  return flag;
-}
-}  // namespace
-
-bool moe_fp8_split_casts() { return split_casts_flag().load(std::memory_order_relaxed); }
-void set_moe_fp8_split_casts(bool on) { split_casts_flag().store(on, std::memory_order_relaxed); }
-
-bool moe_fp8_transpose_supported(const Tensor& data, const Tensor& data_t) {
-  return data.dim() == 2 && data_t.dim() == 2 && data.size(1) % 16 == 0 && data_t.size(1) % 16 == 0 &&
-         data.is_contiguous() && data_t.is_contiguous() && aligned(data.raw_data(), 16) &&
-         aligned(data_t.raw_data(), 16) && data_t.size(0) == data.size(1);
-}
-
-void moe_fp8_transpose_rows(void* stream, const Tensor& data, const std::vector<int64_t>& splits,
-                            const std::vector<int64_t>& padded, Tensor& data_t) {
-  int64_t kept = 0;
-  for (int64_t v : splits) kept += v;
-  if (kept == 0 || data.size(1) == 0) return;
-  launch_transpose(static_cast<cudaStream_t>(stream), data, make_table(splits, padded), data_t);
-}
 
 bool moe_fp8_cast_supported(const Tensor& x, int64_t experts) {
   return (x.dtype() == DType::F32 || x.dtype() == DType::BF16) && x.is_contiguous() && x.dim() == 2 &&

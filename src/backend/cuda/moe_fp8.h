@@ -51,21 +51,4 @@ void moe_swiglu_scaled_backward_cast_fused(void* stream, const Tensor& x, const 
                                            const std::vector<int64_t>& padded, Tensor& data, Tensor& data_t,
                                            Tensor& partial, Tensor& d_prob, Tensor* amax);
 
-// The split form of the casts above that produce both copies from a computed value (the
-// SwiGLU forward's h and, in moe_swiglu.cu, the SwiGLU backward's dx): a flat kernel streams
-// rows and writes the row-wise codes, then moe_fp8_transpose_rows writes the padded
-// transposed copy from those codes. Same bytes as the one-kernel tile form. Starts as
-// TESSERA_MOE_SPLIT_CASTS (default 1) in the environment, read once; process-wide. The tile
-// form runs when it is off or the layout does not allow the split (below).
-bool moe_fp8_split_casts();
-void set_moe_fp8_split_casts(bool on);
-
-// data [M, K] codes (K % 16 == 0) and data_t [K, P] (P % 16 == 0), contiguous and 16-byte
-// aligned: what moe_fp8_transpose_rows needs.
-bool moe_fp8_transpose_supported(const Tensor& data, const Tensor& data_t);
-// data_t = the padded transposed copy of data's kept rows (column padded[e] + i = row
-// off_e + i), padding columns zero.
-void moe_fp8_transpose_rows(void* stream, const Tensor& data, const std::vector<int64_t>& splits,
-                            const std::vector<int64_t>& padded, Tensor& data_t);
-
 }  // namespace tessera::cuda

@@ -164,16 +164,10 @@ __global__ void __launch_bounds__(kThreads)
 
 // One block per row (blockDim a multiple of 32, <= kThreads). kStore: write dx (off: FP8
 // pass 1, which keeps d_prob and the amax only); kAmax: max |BF16(dx)| into *dx_amax.
-// kCodes (kNoCodes, kE4M3Codes, kE5M2Codes): delayed scaling's one pass in its split form
-// (moe_fp8_split_casts): BF16(dx) of the rows before `kept` encoded with *fp8_scale into the
-// row-wise codes q [M, 2F] (the transposed copy is made from them afterwards), the amax
-// taken over those rows only, as the tile kernel below does; d_prob of every row.
-constexpr int kNoCodes = 0, kE4M3Codes = 1, kE5M2Codes = 2;
-template <bool kAmax, bool kStore, int kCodes = kNoCodes>
+template <bool kAmax, bool kStore>
 __global__ void __launch_bounds__(kThreads)
     swiglu_backward_vector_kernel(const uint16_t* x, AnyPtr scale, const uint16_t* dy, uint16_t* dx, AnyPtr d_scale,
-                                  int64_t half, uint32_t* dx_amax, uint8_t* q = nullptr,
-                                  const float* fp8_scale = nullptr, int64_t kept = 0) {
+                                  int64_t half, uint32_t* dx_amax) {
   // Vectors within a row in int (the host checks F / 8 < 2^30): fewer registers.
   const int64_t r = blockIdx.x;
   const int per_row = int(half / 8), step = int(blockDim.x) * kVecs;
@@ -185,8 +179,6 @@ __global__ void __launch_bounds__(kThreads)
   const float sc = scale.load(r);
   float dot = 0;
   uint32_t m = 0;
-  [[maybe_unused]] const float s8 = kCodes != kNoCodes ? *fp8_scale : 0.0f;
-  [[maybe_unused]] const bool coded = kCodes != kNoCodes && r < kept;
   for (int base = int(threadIdx.x); base < per_row; base += step) {
     uint4 g[kVecs], u[kVecs], d[kVecs];
 #pragma unroll
@@ -218,23 +210,12 @@ __global__ void __launch_bounds__(kThreads)
         dgr[j] = wg;
         dur[j] = wu;
       }
-      if constexpr (kAmax || kCodes != kNoCodes) {
+      if constexpr (kAmax) {
         float sg[8], su[8];  // the stored values
         unpack8(wg, sg);
         unpack8(wu, su);
-        if (kCodes == kNoCodes || coded) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) m = max(m, max(fp8cvt::abs_bits(sg[i]), fp8cvt::abs_bits(su[i])));
-        }
-        if constexpr (kCodes != kNoCodes) {
-          if (coded) {
-            uint32_t cg[2], cu[2];
-            fp8cvt::quantize_words<kCodes == kE4M3Codes, 8>(sg, s8, cg);
-            fp8cvt::quantize_words<kCodes == kE4M3Codes, 8>(su, s8, cu);
-            *reinterpret_cast<uint2*>(q + r * 2 * half + 8 * int64_t(j)) = make_uint2(cg[0], cg[1]);
-            *reinterpret_cast<uint2*>(q + r * 2 * half + half + 8 * int64_t(j)) = make_uint2(cu[0], cu[1]);
-          }
-        }
+        for (int i = 0; i < 8; ++i) m = max(m, max(fp8cvt::abs_bits(sg[i]), fp8cvt::abs_bits(su[i])));
       }
     }
   }
@@ -482,25 +463,6 @@ void moe_swiglu_scaled_backward_cast_fused(void* stream, const Tensor& x, const 
   const int64_t across = moe_swiglu_backward_partial_columns(half);
   const auto* xp = static_cast<const uint16_t*>(x.raw_data());
   const auto* dyp = static_cast<const uint16_t*>(dy.raw_data());
-  if (rows > 0 && half > 0 && moe_fp8_split_casts() && moe_fp8_transpose_supported(data, data_t)) {
-    // The split form: one block per row writes d_prob, the kept rows' codes and their amax
-    // (the vector backward's reduction, so d_prob has the two-pass form's bits), then the
-    // transposed copy is made from the codes.
-    uint32_t* amax_bits = amax ? amax->data<uint32_t>() : nullptr;
-    const unsigned threads = backward_threads(half);
-    auto run = [&](auto kernel) {
-      kernel<<<unsigned(rows), threads, 0, s>>>(xp, any_ptr(scale), dyp, nullptr, any_ptr(d_prob), half, amax_bits,
-                                                data.data<uint8_t>(), fp8_scale.data<float>(), kept);
-    };
-    const bool e4m3 = data.dtype() == DType::E4M3;
-    if (e4m3 && amax_bits) run(swiglu_backward_vector_kernel<true, false, kE4M3Codes>);
-    else if (e4m3) run(swiglu_backward_vector_kernel<false, false, kE4M3Codes>);
-    else if (amax_bits) run(swiglu_backward_vector_kernel<true, false, kE5M2Codes>);
-    else run(swiglu_backward_vector_kernel<false, false, kE5M2Codes>);
-    TESSERA_CUDA_CHECK_LAUNCH();
-    moe_fp8_transpose_rows(stream, data, splits, padded, data_t);
-    return;
-  }
   if (kept > 0 && half > 0) {
     const ExpertTable table = make_table(splits, padded);
     const int64_t tiles = (width + kVTile - 1) / kVTile * across;
