@@ -42,8 +42,10 @@
 // registers (4 blocks) it ran 1272 us, at 48 (5 blocks, spilling) 1619 us, against 1239-1241
 // uncapped in the same run (bench_bandwidth). Nor does taking the loads off the critical
 // path: the next tile copied into a shared-memory ring by cp.async over a persistent grid
-// (same registers and blocks) ran 1231.7 us against 1234.2 (2026-12-03): the tile's barriers
-// and its byte-wise transposed read are what hold it, not DRAM latency.
+// (same registers and blocks) ran 1231.7 us against 1234.2 (2026-12-03); nor a split form
+// (row-wise codes from a flat row kernel, then a separate transpose of the codes on
+// code_tile.cuh's word tile: 1318 us, commit 8f212a6, reverted). The transposed copy, not
+// DRAM latency or the math, is what holds these kernels.
 #include <cuda_bf16.h>
 
 #include <algorithm>
