@@ -36,7 +36,9 @@
 // copy (ncu, inside bench_moe: 0.51 ms). 63 registers, 4 blocks of 256 an SM; capping the
 // registers for 5 blocks spilled and ran slower (614 us), and so did the next tile copied
 // into shared memory by cp.async while this one is worked on (657.6 us against 593.2,
-// 2026-12-03): the loads are not what it waits on.
+// 2026-12-03): the loads are not what it waits on. A split form (row-wise codes from a flat
+// kernel, then a separate transpose of the codes; commit 8f212a6, reverted) ran 595 us: the
+// same, its transpose alone at about 45% of copy.
 #include "moe_fp8.h"
 
 #include <cuda_runtime.h>
