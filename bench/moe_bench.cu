@@ -44,10 +44,6 @@
 // over the four micro-batches' rows side by side (one GEMM per expert, K = 4 x the rows; no
 // FP32 gradient read back), instead of a GEMM per micro-batch that adds into it.
 //
-// "cublas-wgrad" rows: the weight-gradient GEMMs by cuBLASLt per expert instead of tessera's own
-// grouped kernel (set_moe_fp8_own_wgrad, the default on Hopper). `bench_moe runs wgrad` times
-// those GEMMs alone, both ways, and compares their results.
-//
 // Usage: bench_moe [runs] [filter]   (needs a GPU; filter: only rows whose name contains it)
 //        bench_moe profile    one balanced BF16, one FP8 and one delayed-FP8 forward+backward between
 //                             cudaProfilerStart/Stop, for `ncu --profile-from-start off`
@@ -120,7 +116,6 @@ struct Case {
   bool cache_weights = false;  // with micro_batches > 1: fp8.cache_weights
   bool defer_weight_grad = false;  // with cache_weights: fp8.defer_expert_wgrad
   bool profile = false;
-  bool cublas_wgrad = false;  // the weight gradients by cuBLASLt per expert, not the own kernel
 };
 
 const char* g_filter = "";  // run only the rows whose name contains it
@@ -128,12 +123,6 @@ const char* g_filter = "";  // run only the rows whose name contains it
 void run_case(const char* name, const std::vector<int64_t>& splits, int runs, int streams, const Case& c = {}) {
   if (std::strstr(name, g_filter) == nullptr) return;
   const bool fp8 = c.fp8, profile = c.profile, step_start = c.step_start, delayed = c.delayed;
-  const bool own_wgrad = moe_fp8_own_wgrad();
-  set_moe_fp8_own_wgrad(own_wgrad && !c.cublas_wgrad);
-  struct Restore {
-    bool own;
-    ~Restore() { set_moe_fp8_own_wgrad(own); }
-  } restore{own_wgrad};
   set_grouped_gemm_streams(streams);
   Context ctx = Context::cuda(0);
   const int64_t rows = kTokens * kTopK;
@@ -223,50 +212,6 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
               flop_fwd / fwd_ms * 1e-9, all_ms, 3 * flop_fwd / all_ms * 1e-9, err, err < (fp8 ? 0.1 : 2e-2) ? "ok" : "WRONG");
 }
 
-// The FP8 weight-gradient GEMMs alone (grouped_linear_backward_weight_fp8): the own grouped
-// kernel against the cuBLASLt loop, for fc (out 2 ffn, in hidden) and proj (out hidden, in
-// ffn) over the balanced splits, overwriting (a step's first micro-batch) and accumulating;
-// the relative difference of the two results in the same run.
-void run_wgrad(int runs) {
-  Context ctx = Context::cuda(0);
-  const int64_t rows = kTokens * kTopK;
-  const std::vector<int64_t> splits(kExperts, rows / kExperts);
-  MoEFp8Options o;
-  std::printf("\n| wgrad GEMMs | dw | cuBLASLt loop ms | TFLOP/s | own kernel ms | TFLOP/s | own vs loop | rel. diff |\n"
-              "|---|---|---|---|---|---|---|---|\n");
-  for (const bool fc : {true, false}) {
-    const int64_t out = fc ? 2 * kFfn : kHidden, in = fc ? kHidden : kFfn;
-    Tensor dy = Tensor::empty({rows, out}, DType::BF16, ctx.device), x = Tensor::empty({rows, in}, DType::BF16, ctx.device);
-    fill_uniform(ctx, dy, -1, 1, 11);
-    fill_uniform(ctx, x, -1, 1, 12);
-    const MoEFp8Rows qdy = moe_fp8_quantize_rows(ctx, dy, splits, DType::E5M2, o);
-    const MoEFp8Rows qx = moe_fp8_quantize_rows(ctx, x, splits, DType::E4M3, o);
-    dy = x = Tensor();
-    Tensor dw_loop = Tensor::zeros({kExperts, out, in}, DType::F32, ctx.device);
-    Tensor dw_own = Tensor::zeros({kExperts, out, in}, DType::F32, ctx.device);
-    const double flops = 2.0 * rows * out * in;
-    for (const bool accumulate : {false, true}) {
-      set_moe_fp8_own_wgrad(false);
-      const double loop_ms =
-          median_ms([&] { grouped_linear_backward_weight_fp8(ctx, qdy, qx, dw_loop, accumulate); }, runs, 3);
-      set_moe_fp8_own_wgrad(true);
-      const double own_ms =
-          median_ms([&] { grouped_linear_backward_weight_fp8(ctx, qdy, qx, dw_own, accumulate); }, runs, 3);
-      // One more call each from the same start, then compare.
-      dw_loop.fill_zero();
-      dw_own.fill_zero();
-      set_moe_fp8_own_wgrad(false);
-      grouped_linear_backward_weight_fp8(ctx, qdy, qx, dw_loop, accumulate);
-      set_moe_fp8_own_wgrad(true);
-      grouped_linear_backward_weight_fp8(ctx, qdy, qx, dw_own, accumulate);
-      const double diff = relative_error(dw_own, dw_loop);
-      std::printf("| %s | %s | %.3f | %.0f | %.3f | %.0f | %.3fx | %.1e %s |\n", fc ? "fc [8, 28672, 4096]" : "proj [8, 4096, 14336]",
-                  accumulate ? "accumulate" : "overwrite", loop_ms, flops / loop_ms * 1e-9, own_ms,
-                  flops / own_ms * 1e-9, loop_ms / own_ms, diff, diff < 1e-5 ? "ok" : "WRONG");
-    }
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -284,10 +229,6 @@ int main(int argc, char** argv) {
     }
     const int runs = argc > 1 ? std::max(5, std::atoi(argv[1])) : 20;
     if (argc > 2) g_filter = argv[2];
-    if (std::string(g_filter) == "wgrad") {
-      run_wgrad(runs);
-      return 0;
-    }
     cudaDeviceProp prop{};
     CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
     std::printf("tessera GroupedMLP on %s: %lld tokens top-%lld over %lld experts, hidden %lld, ffn %lld, BF16,\n"
@@ -330,11 +271,6 @@ int main(int argc, char** argv) {
     run_case("bal fp8 delayed keepWt", balanced, runs, 1, delayed_keep);
     run_case("skew fp8 delayed", skewed, runs, 1, delayed);
     run_case("bal fp8 delayed keepWt step", balanced, runs, 1, delayed_keep_step);
-    // The same two with the weight gradients by cuBLASLt per expert instead of the own kernel.
-    Case delayed_keep_lt = delayed_keep, delayed_keep_step_lt = delayed_keep_step;
-    delayed_keep_lt.cublas_wgrad = delayed_keep_step_lt.cublas_wgrad = true;
-    run_case("bal fp8 delayed keepWt cublas-wgrad", balanced, runs, 1, delayed_keep_lt);
-    run_case("bal fp8 delayed keepWt step cublas-wgrad", balanced, runs, 1, delayed_keep_step_lt);
     // Whole steps of four micro-batches, per micro-batch: BF16, and delayed FP8 with the
     // expert weights cast in every micro-batch (W^T kept) or once a step (cache_weights).
     Case bf16_4;
@@ -351,9 +287,6 @@ int main(int argc, char** argv) {
     Case deferred_4 = cached_4;
     deferred_4.defer_weight_grad = true;
     run_case("bal fp8 delayed cached deferred 4-micro step", balanced, runs, 1, deferred_4);
-    Case deferred_4_lt = deferred_4;
-    deferred_4_lt.cublas_wgrad = true;
-    run_case("bal fp8 delayed cached deferred 4-micro step cublas-wgrad", balanced, runs, 1, deferred_4_lt);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe: %s\n", e.what());

@@ -3,13 +3,10 @@
 // with its FP8 cast (forward and backward), and the FP8 grouped GEMMs. Split from ops/moe.cpp.
 #include "tessera/ops/moe.h"
 
-#include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <numeric>
-#include <string>
 #include <variant>
 
 #include "backend/cpu/moe.h"
@@ -19,7 +16,6 @@
 #include "tessera/ops/quantize.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/gemm_fp8.h"
-#include "backend/cuda/grouped_wgrad_fp8.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/moe_fp8.h"
 #include "backend/cuda/fp8_scaling.h"
@@ -227,14 +223,6 @@ MoEFp8Rows moe_fp8_cast_rows_for(Context& ctx, const Tensor& x, const std::vecto
 
 namespace {
 
-std::atomic<bool>& own_wgrad_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* v = std::getenv("TESSERA_MOE_WGRAD");
-    return v == nullptr || std::string(v) != "cublas";
-  }()};
-  return flag;
-}
-
 std::atomic<bool>& legacy_weight_cast_flag() {
   static std::atomic<bool> flag{legacy_from_environment()};
   return flag;
@@ -295,8 +283,6 @@ void quantize_weights_one_launch(Context& ctx, const Tensor& w, const std::vecto
 }  // namespace
 
 void set_moe_fp8_legacy_weight_cast(bool legacy) { legacy_weight_cast_flag() = legacy; }
-void set_moe_fp8_own_wgrad(bool own) { own_wgrad_flag() = own; }
-bool moe_fp8_own_wgrad() { return own_wgrad_flag(); }
 bool moe_fp8_legacy_weight_cast() { return legacy_weight_cast_flag(); }
 
 MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std::vector<int64_t>& splits,
@@ -512,18 +498,6 @@ void grouped_linear_backward_weight_fp8(Context& ctx, const MoEFp8Rows& dy, cons
   check_rows(x, experts, op, "x", false);
   TESSERA_CHECK(dy.splits == x.splits, op, ": dy and x have different split sizes");
   if (!accumulate) zero_experts_without_rows(ctx, x.splits, dw);
-#if TESSERA_WITH_CUDA
-  if (ctx.device.is_cuda() && moe_fp8_own_wgrad() && x.padded_offsets == dy.padded_offsets) {
-    const int64_t with_rows = std::count_if(x.splits.begin(), x.splits.end(), [](int64_t n) { return n > 0; });
-    if (with_rows == 0) return;
-    if (cuda::grouped_wgrad_fp8_supported(dy.data_t, x.data_t, dw, with_rows)) {
-      check_on_device(ctx, op, {&dy.data_t, &x.data_t, &dw, &dy.scale_inv, &x.scale_inv});
-      cuda::grouped_wgrad_fp8(ctx.stream, dy.data_t, x.data_t, x.splits, x.padded_offsets, dy.scale_inv, x.scale_inv,
-                              dw, accumulate);
-      return;
-    }
-  }
-#endif
   const float beta = accumulate ? 1.0f : 0.0f;
   for_each_expert(ctx, x.splits, [&](Context& c, size_t e, int64_t) {
     Tensor dwe = dw.select(0, static_cast<int64_t>(e));

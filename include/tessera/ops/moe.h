@@ -305,14 +305,6 @@ void grouped_linear_forward_fp8(Context& ctx, const MoEFp8Rows& x, const MoEFp8W
 void grouped_linear_backward_input_fp8(Context& ctx, const MoEFp8Rows& dy, const MoEFp8Weights& w, Tensor& dx);
 void grouped_linear_backward_weight_fp8(Context& ctx, const MoEFp8Rows& dy, const MoEFp8Rows& x, Tensor& dw,
                                         bool accumulate = true);
-// Which kernel runs grouped_linear_backward_weight_fp8 on a Hopper GPU (process-wide): true,
-// tessera's own grouped kernel (backend/cuda/grouped_wgrad_fp8.cu: one launch for all experts,
-// its FP32 stores overlapped with the next tile's MMAs), where its shapes allow (out % 128, in
-// % 256, at most 64 experts with rows); false, the cuBLASLt GEMM per expert. The two agree to
-// FP32 rounding (sums in a different order), not bit for bit. Default: TESSERA_MOE_WGRAD in
-// the environment ("own" or "cublas", read once), else own.
-void set_moe_fp8_own_wgrad(bool own);
-bool moe_fp8_own_wgrad();
 
 // How many CUDA streams GroupedLinear spreads its experts' GEMMs over (process-wide; 1, the
 // default: every GEMM on the context's stream, one after another; at most 4, more act as 4).

@@ -139,14 +139,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, ui
                "r"(src), "r"(bytes)
                : "memory");
 }
-// Copies `bytes` contiguous bytes from shared to global memory, asynchronously (the TMA unit
-// reads the source; bulk_wait_read says when it may be overwritten). Same alignment rules and
-// bulk-group tracking as bulk_reduce_add_f32.
-__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(reinterpret_cast<uint64_t>(dst)),
-               "r"(src), "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
@@ -407,51 +399,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float* d, uint64_t desc_
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB)
       : "memory");
 }
-
-// D[64 x 256] (+)= A[64 x 32] * B[256 x 32]^T with FP8 operands (E4M3 or E5M2 each, kAE5M2 /
-// kBE5M2), both K-major in shared memory: 32 codes = 32 bytes of a 128-byte swizzled row, so
-// the descriptors and the K step (+32 bytes) are those of the BF16 k16 instruction. FP8 wgmma
-// has no transpose option. 128 FP32 accumulators per thread, the layout above.
-#define TESSERA_WGMMA_ACC128_OPERANDS                                                                       \
-  "{"                                                                                                      \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                       \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                        \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                        \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                        \
-  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "            \
-  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"         \
-  "}"
-#define TESSERA_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-    "+f"(d[i + 6]), "+f"(d[i + 7])
-#define TESSERA_ACC128_OUTPUTS                                                                                  \
-  TESSERA_ACC8(0), TESSERA_ACC8(8), TESSERA_ACC8(16), TESSERA_ACC8(24), TESSERA_ACC8(32), TESSERA_ACC8(40),    \
-      TESSERA_ACC8(48), TESSERA_ACC8(56), TESSERA_ACC8(64), TESSERA_ACC8(72), TESSERA_ACC8(80), TESSERA_ACC8(88), \
-      TESSERA_ACC8(96), TESSERA_ACC8(104), TESSERA_ACC8(112), TESSERA_ACC8(120)
-#define TESSERA_WGMMA_FP8_M64N256K32(TYPES)                                                            \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                           \
-               "wgmma.mma_async.sync.aligned.m64n256k32.f32." TYPES " " TESSERA_WGMMA_ACC128_OPERANDS \
-               ", %128, %129, p, 1, 1;\n}\n"                                                           \
-               : TESSERA_ACC128_OUTPUTS                                                                \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d)                                                \
-               : "memory")
-template <bool kAE5M2, bool kBE5M2>
-__device__ __forceinline__ void wgmma_m64n256k32_fp8(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  if constexpr (!kAE5M2 && !kBE5M2) {
-    TESSERA_WGMMA_FP8_M64N256K32("e4m3.e4m3");
-  } else if constexpr (!kAE5M2 && kBE5M2) {
-    TESSERA_WGMMA_FP8_M64N256K32("e4m3.e5m2");
-  } else if constexpr (kAE5M2 && !kBE5M2) {
-    TESSERA_WGMMA_FP8_M64N256K32("e5m2.e4m3");
-  } else {
-    TESSERA_WGMMA_FP8_M64N256K32("e5m2.e5m2");
-  }
-}
-#undef TESSERA_WGMMA_FP8_M64N256K32
-#undef TESSERA_ACC128_OUTPUTS
-#undef TESSERA_ACC8
-#undef TESSERA_WGMMA_ACC128_OPERANDS
 
 // Makes this thread's ordinary shared-memory stores visible to the async proxy (wgmma and
 // TMA read shared memory through it): between st.shared and a wgmma reading that data.

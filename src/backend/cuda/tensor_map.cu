@@ -42,30 +42,17 @@ bool device_is_hopper(int device) {
   return major == 9;
 }
 
-namespace {
-
-CUtensorMap make_swizzled_map(CUtensorMapDataType type, const void* base, int rank, const cuuint64_t* dims,
-                              const cuuint64_t* strides, const cuuint32_t* box, const char* who) {
+CUtensorMap make_bf16_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                                 const cuuint32_t* box, const char* who) {
   TESSERA_CHECK(rank >= 1 && rank <= 5, who, ": a tensor map has 1 to 5 dimensions, not ", rank);
   CUtensorMap map{};
   const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
-  const CUresult r = encode_tiled()(&map, type, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides,
-                                    box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank),
+                                    const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TESSERA_CHECK(r == CUDA_SUCCESS, who, ": cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r), ")");
   return map;
-}
-
-}  // namespace
-
-CUtensorMap make_bf16_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                                 const cuuint32_t* box, const char* who) {
-  return make_swizzled_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, base, rank, dims, strides, box, who);
-}
-
-CUtensorMap make_u8_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                               const cuuint32_t* box, const char* who) {
-  return make_swizzled_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, base, rank, dims, strides, box, who);
 }
 
 CUtensorMap make_bhd_tensor_map(const void* base, int64_t batch, int64_t rows, int64_t heads, int D, int box_rows,

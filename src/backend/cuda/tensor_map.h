@@ -24,9 +24,6 @@ bool device_is_hopper(int device);
 
 CUtensorMap make_bf16_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
                                  const cuuint32_t* box, const char* who);
-// The same for one-byte elements (FP8 codes): box[0] at most 128.
-CUtensorMap make_u8_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                               const cuuint32_t* box, const char* who);
 
 // The attention kernels' view of a contiguous [batch, rows, heads, D] BF16 tensor: a 4-D map
 // (D innermost) whose box is 64 columns x box_rows rows of one head of one batch.
