@@ -63,6 +63,10 @@ struct Case {
   float beta;
   bool fast;
   int64_t ld = 0;  // row stride of a and b (0: k); the wgrads read expert slices of [*, 16384] codes
+  // The BF16 weight gradient as nn::GroupedLinear runs it through gemm.cu: dW[m, n] = dy^T x
+  // with dy [k, m] and x [k, n] row-major (no transposed copies): cuBLASLt's N / T with x first.
+  bool bf16_wgrad = false;
+  bool in_place = false;  // D = C, as tessera's accumulating weight gradients write
 };
 
 // One case's buffers, descriptors and layouts, made once and timed with any algorithm.
@@ -77,28 +81,38 @@ struct Problem {
 
   explicit Problem(const Case& c_) : cs(c_) {
     const int64_t ld = cs.ld > 0 ? cs.ld : cs.k;
-    const size_t a_bytes = size_t(cs.m) * ld, b_bytes = size_t(cs.n) * ld;
+    const size_t elem = cs.bf16_wgrad ? 2 : 1;
+    const size_t a_bytes = size_t(cs.m) * (cs.bf16_wgrad ? cs.k : ld) * elem,
+                 b_bytes = size_t(cs.n) * (cs.bf16_wgrad ? cs.k : ld) * elem;
     const size_t c_elem = cs.c == CUDA_R_32F ? 4 : 2, c_bytes = size_t(cs.m) * cs.n * c_elem;
     CHECK_CUDA(cudaMalloc(&a, a_bytes));
     CHECK_CUDA(cudaMalloc(&b, b_bytes));
     CHECK_CUDA(cudaMalloc(&c, c_bytes));
-    CHECK_CUDA(cudaMalloc(&d, c_bytes));
+    if (cs.in_place) d = c;
+    else CHECK_CUDA(cudaMalloc(&d, c_bytes));
     CHECK_CUDA(cudaMalloc(&scale, sizeof(float)));
-    fill_codes<<<1024, 256>>>(a, a_bytes, 1);
+    fill_codes<<<1024, 256>>>(a, a_bytes, 1);  // as BF16: small finite values too
     fill_codes<<<1024, 256>>>(b, b_bytes, 2);
     CHECK_CUDA(cudaMemset(c, 0, c_bytes));
     const float one = 1.0f;
     CHECK_CUDA(cudaMemcpy(scale, &one, sizeof(float), cudaMemcpyHostToDevice));
     CHECK_LT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-    CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
-    CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
-    const int8_t fast = cs.fast ? 1 : 0;
-    CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
-    CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale, sizeof(scale)));
-    CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale, sizeof(scale)));
-    CHECK_LT(cublasLtMatrixLayoutCreate(&la, cs.b, cs.k, cs.n, ld));  // cuBLASLt's A is our b [N, K]
-    CHECK_LT(cublasLtMatrixLayoutCreate(&lb, cs.a, cs.k, cs.m, ld));  // its B our a [M, K]
+    CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, cs.bf16_wgrad ? &op_n : &op_t,
+                                            sizeof(op_t)));
+    CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, cs.bf16_wgrad ? &op_t : &op_n,
+                                            sizeof(op_n)));
+    if (cs.bf16_wgrad) {
+      CHECK_LT(cublasLtMatrixLayoutCreate(&la, cs.b, cs.n, cs.k, cs.n));  // x [k, n] row-major
+      CHECK_LT(cublasLtMatrixLayoutCreate(&lb, cs.a, cs.m, cs.k, cs.m));  // dy [k, m] row-major, transposed
+    } else {
+      const int8_t fast = cs.fast ? 1 : 0;
+      CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+      CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale, sizeof(scale)));
+      CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale, sizeof(scale)));
+      CHECK_LT(cublasLtMatrixLayoutCreate(&la, cs.b, cs.k, cs.n, ld));  // cuBLASLt's A is our b [N, K]
+      CHECK_LT(cublasLtMatrixLayoutCreate(&lb, cs.a, cs.k, cs.m, ld));  // its B our a [M, K]
+    }
     CHECK_LT(cublasLtMatrixLayoutCreate(&lc, cs.c, cs.n, cs.m, cs.n));
   }
   ~Problem() {
@@ -109,7 +123,7 @@ struct Problem {
     cudaFree(a);
     cudaFree(b);
     cudaFree(c);
-    cudaFree(d);
+    if (d != c) cudaFree(d);
     cudaFree(scale);
   }
   double flops() const { return 2.0 * cs.m * cs.n * cs.k; }
@@ -293,12 +307,22 @@ int main(int argc, char** argv) {
     // The single-pass weight gradients, and for scale the same fc wgrad writing BF16 (what
     // the FP32 epilogue costs) and the forward GEMM (what the tensor cores reach here).
     const Case searched[] = {
+        // FP8, accumulating in place (D = C), as tessera's later micro-batches do.
+        {"fc wgrad, in place (dW += dy^T x, F32)", 2 * ffn, hidden, rows, CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, CUDA_R_32F, 1,
+         false, 16384, false, true},
+        // BF16, as GroupedLinear's BF16 path: beta 0, then beta 1 in place.
+        {"BF16 fc wgrad (beta 0)", 2 * ffn, hidden, rows, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_32F, 0, false, 0, true},
+        {"BF16 proj wgrad (beta 0)", hidden, ffn, rows, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_32F, 0, false, 0, true},
+        {"BF16 fc wgrad, in place (beta 1)", 2 * ffn, hidden, rows, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_32F, 1, false, 0,
+         true, true},
         cases[3], cases[5], cases[2],
         {"fc wgrad, BF16 dW (for scale only)", 2 * ffn, hidden, rows, CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, CUDA_R_16BF, 0,
          false, 16384},
         cases[0],
     };
-    for (const Case& c : searched) search(handle, c, workspace, workspace_bytes);
+    // `search new`: the in-place and BF16 rows only.
+    const size_t count = argc > 2 && std::string(argv[2]) == "new" ? 4 : sizeof(searched) / sizeof(searched[0]);
+    for (size_t i = 0; i < count; ++i) search(handle, searched[i], workspace, workspace_bytes);
   }
   CHECK_CUDA(cudaFree(workspace));
   cublasLtDestroy(handle);
