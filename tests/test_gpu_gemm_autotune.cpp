@@ -1,7 +1,8 @@
 // GEMM autotuning (tessera::set_gemm_autotune, ops/gemm.h): a tuned shape's calls must
 // compute what the heuristic's algorithm computes. The risk is in the timing runs, which
-// launch the GEMM many times before the real call: with beta != 0 they must not add into c
-// (they write a scratch output), and epilogue outputs (GELU's pre-activation, the bias
+// launch the GEMM many times (up to two runs for each of several hundred candidates: the
+// heuristic's and their tile / option / cluster variants) before the real call: with beta != 0
+// they must not add into c (they run in place on a scratch copy), and epilogue outputs (GELU's pre-activation, the bias
 // gradient, an FP8 output's amax) must end up as one call leaves them. Each case runs the
 // same inputs with autotuning off (the reference) and then on, through the call that tunes
 // and the call after it, and checks the log names the tuned shape.

@@ -4,7 +4,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <set>
+#include <utility>
 #include <limits>
 #include <mutex>
 
@@ -72,16 +75,21 @@ class Scratch {
   void* ptr_ = nullptr;
 };
 
-// Each candidate: one untimed run, then timed rounds; see lt_tune.
-int pick_fastest(void* stream, int count, const std::function<bool(int)>& launch, const std::string& what) {
+// Each candidate: one untimed run, then timed rounds; see lt_tune. `indices` are the
+// candidates to time (launch's numbering); returns the position in it of the fastest, and
+// the figures through best_ms.
+int time_rounds(void* stream, const std::vector<int>& indices, const std::function<bool(int)>& launch,
+                std::vector<float>& best_ms) {
   const auto s = static_cast<cudaStream_t>(stream);
   // Each candidate: one untimed run (its first launch loads the kernel), then three rounds
   // of two runs between events, interleaved with the others so that clock drift spreads
   // evenly; a candidate's figure is its best round.
   constexpr int kRounds = 3, kRunsPerRound = 2;
-  std::vector<float> best(count, std::numeric_limits<float>::infinity());
+  const int count = static_cast<int>(indices.size());
+  std::vector<float>& best = best_ms;
+  best.assign(count, std::numeric_limits<float>::infinity());
   std::vector<bool> runs(count, false);
-  for (int i = 0; i < count; ++i) runs[i] = launch(i);
+  for (int i = 0; i < count; ++i) runs[i] = launch(indices[i]);
   cudaEvent_t start = nullptr, stop = nullptr;
   TESSERA_CUDA_CHECK(cudaEventCreate(&start));
   TESSERA_CUDA_CHECK(cudaEventCreate(&stop));
@@ -89,7 +97,7 @@ int pick_fastest(void* stream, int count, const std::function<bool(int)>& launch
     for (int i = 0; i < count; ++i) {
       if (!runs[i]) continue;
       TESSERA_CUDA_CHECK(cudaEventRecord(start, s));
-      for (int r = 0; r < kRunsPerRound && runs[i]; ++r) runs[i] = launch(i);
+      for (int r = 0; r < kRunsPerRound && runs[i]; ++r) runs[i] = launch(indices[i]);
       TESSERA_CUDA_CHECK(cudaEventRecord(stop, s));
       TESSERA_CUDA_CHECK(cudaEventSynchronize(stop));
       float ms = 0;
@@ -101,18 +109,55 @@ int pick_fastest(void* stream, int count, const std::function<bool(int)>& launch
   cudaEventDestroy(stop);
   int fastest = 0;
   for (int i = 1; i < count; ++i)
-    if (runs[i] && best[i] < best[fastest]) fastest = i;
-  if (!runs[0]) {
-    // The heuristic's own first choice failed to launch here: keep whichever ran.
-  } else if (best[fastest] > 0.99f * best[0]) {
-    fastest = 0;
+    if (best[i] < best[fastest]) fastest = i;
+  return fastest;
+}
+
+// A wide list is screened: every candidate run once untimed (kernel load) and once timed;
+// the heuristic's first and the kLtCandidates - 1 fastest of the others go on to the rounds.
+std::vector<int> screen(void* stream, int count, const std::function<bool(int)>& launch) {
+  std::vector<int> all(count);
+  for (int i = 0; i < count; ++i) all[i] = i;
+  if (count <= kLtCandidates) return all;
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  TESSERA_CUDA_CHECK(cudaEventCreate(&start));
+  TESSERA_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<std::pair<float, int>> timed;
+  for (int i = 1; i < count; ++i) {
+    if (!launch(i)) continue;
+    TESSERA_CUDA_CHECK(cudaEventRecord(start, s));
+    const bool ok = launch(i);
+    TESSERA_CUDA_CHECK(cudaEventRecord(stop, s));
+    TESSERA_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    TESSERA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (ok) timed.emplace_back(ms, i);
   }
-  char line[160];
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(timed.begin(), timed.end());
+  std::vector<int> kept = {0};
+  for (size_t j = 0; j < timed.size() && kept.size() < static_cast<size_t>(kLtCandidates); ++j)
+    kept.push_back(timed[j].second);
+  return kept;
+}
+
+int pick_fastest(void* stream, int count, const std::function<bool(int)>& launch, const std::string& what) {
+  const std::vector<int> kept = screen(stream, count, launch);
+  std::vector<float> best;
+  const int pos = time_rounds(stream, kept, launch, best);
+  // The heuristic's choice (position 0) unless another is more than 1% faster; if it failed
+  // to launch here (infinite figure), whichever ran.
+  const int fastest_pos = std::isinf(best[0]) || best[pos] <= 0.99f * best[0] ? pos : 0;
+  const int fastest = kept[fastest_pos];
+  char line[200];
   if (fastest == 0) {
-    std::snprintf(line, sizeof(line), ": heuristic's choice kept (%.3f ms; %d candidates)", best[0], count);
+    std::snprintf(line, sizeof(line), ": heuristic's choice kept (%.3f ms; %d candidates, %d timed in full)", best[0],
+                  count, static_cast<int>(kept.size()));
   } else {
-    std::snprintf(line, sizeof(line), ": candidate %d, %.3f ms against the heuristic's %.3f ms (%.3fx)", fastest,
-                  best[fastest], best[0], best[0] / best[fastest]);
+    std::snprintf(line, sizeof(line), ": candidate %d of %d, %.3f ms against the heuristic's %.3f ms (%.3fx)", fastest,
+                  count, best[fastest_pos], best[0], best[0] / best[fastest_pos]);
     std::fprintf(stderr, "tessera: gemm autotune: %s%s\n", what.c_str(), line);
   }
   autotune_note(what + line);
@@ -151,8 +196,64 @@ int lt_tune(void* stream, int count, bool beta_zero, void* out, size_t out_bytes
     autotune_note(what + ": no device memory for a scratch output; heuristic's choice kept");
     return 0;
   }
+  // beta != 0: the candidates run in place on a copy of out (the caller's GEMM runs in
+  // place, which some kernels do much faster than writing a separate D).
+  if (!beta_zero)
+    TESSERA_CUDA_CHECK(
+        cudaMemcpyAsync(scratch.get(), out, out_bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
   void* d = beta_zero ? out : scratch.get();
   return pick_fastest(stream, count, [&](int i) { return launch(i, d); }, what);
+}
+
+std::vector<cublasLtMatmulAlgo_t> lt_widen(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                           cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                           cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
+                                           const std::vector<cublasLtMatmulAlgo_t>& heuristic, size_t workspace_bytes) {
+  std::vector<cublasLtMatmulAlgo_t> out = heuristic;
+  // A configuration's identity: algorithm id, tile, stages, split-K, swizzle, custom option,
+  // cluster shape.
+  auto identity = [](const cublasLtMatmulAlgo_t& algo) {
+    int v[6] = {};
+    uint16_t cluster = 0;
+    size_t w = 0;
+    const cublasLtMatmulAlgoConfigAttributes_t attrs[6] = {
+        CUBLASLT_ALGO_CONFIG_ID,         CUBLASLT_ALGO_CONFIG_TILE_ID,        CUBLASLT_ALGO_CONFIG_STAGES_ID,
+        CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION};
+    for (int i = 0; i < 6; ++i) cublasLtMatmulAlgoConfigGetAttribute(&algo, attrs[i], &v[i], sizeof(int), &w);
+    cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &w);
+    return std::vector<int>{v[0], v[1], v[2], v[3], v[4], v[5], static_cast<int>(cluster)};
+  };
+  std::set<std::vector<int>> seen;
+  for (const auto& h : heuristic) seen.insert(identity(h));
+  const uint16_t clusters[] = {CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_2x1x1,
+                               CUBLASLT_CLUSTER_SHAPE_1x2x1};
+  for (const auto& base : heuristic) {
+    size_t w = 0;
+    std::vector<int> tiles;
+    if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_TILE_IDS, nullptr, 0, &w) == CUBLAS_STATUS_SUCCESS &&
+        w >= sizeof(int)) {
+      tiles.resize(w / sizeof(int));
+      cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_TILE_IDS, tiles.data(), w, &w);
+    }
+    int custom_max = 0;
+    cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max, sizeof(custom_max), &w);
+    for (int tile : tiles)
+      for (int custom = 0; custom <= std::min(custom_max, 7); ++custom)
+        for (uint16_t cluster : clusters) {
+          if (static_cast<int>(out.size()) >= kLtWideMax) return out;
+          cublasLtMatmulAlgo_t v = base;
+          cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile));
+          cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom, sizeof(custom));
+          cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster));
+          if (!seen.insert(identity(v)).second) continue;
+          cublasLtMatmulHeuristicResult_t r{};
+          if (cublasLtMatmulAlgoCheck(handle, desc, a, b, c, d, &v, &r) != CUBLAS_STATUS_SUCCESS ||
+              r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes)
+            continue;
+          out.push_back(v);
+        }
+  }
+  return out;
 }
 
 }  // namespace tessera::cuda
