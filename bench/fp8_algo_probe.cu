@@ -175,15 +175,23 @@ std::string describe(const cublasLtMatmulAlgo_t& algo) {
   return buf;
 }
 
-void run(cublasLtHandle_t handle, const Case& cs, void* workspace, size_t workspace_bytes) {
-  const Problem p(cs);
+// The heuristic's first `max` algorithms for the problem; returns how many it gave.
+int heuristic(cublasLtHandle_t handle, const Problem& p, size_t workspace_bytes, cublasLtMatmulHeuristicResult_t* results,
+              int max) {
   cublasLtMatmulPreference_t pref;
   CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = workspace_bytes;
   CHECK_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  cublasLtMatmulHeuristicResult_t results[16];
   int found = 0;
-  CHECK_LT(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.la, p.lb, p.lc, p.lc, pref, 16, results, &found));
+  CHECK_LT(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.la, p.lb, p.lc, p.lc, pref, max, results, &found));
+  cublasLtMatmulPreferenceDestroy(pref);
+  return found;
+}
+
+void run(cublasLtHandle_t handle, const Case& cs, void* workspace, size_t workspace_bytes) {
+  const Problem p(cs);
+  cublasLtMatmulHeuristicResult_t results[16];
+  const int found = heuristic(handle, p, workspace_bytes, results, 16);
   std::printf("\n%s: M %lld N %lld K %lld, beta %.0f, %d algorithms\n", cs.name, (long long)cs.m, (long long)cs.n,
               (long long)cs.k, cs.beta, found);
   for (int i = 0; i < found; ++i) {
@@ -195,19 +203,13 @@ void run(cublasLtHandle_t handle, const Case& cs, void* workspace, size_t worksp
     std::printf("  algo %2d: %8.3f ms %7.1f TFLOP/s  %s workspace %zu%s\n", i, med, p.flops() / med * 1e-9,
                 describe(results[i].algo).c_str(), results[i].workspaceSize, i == 0 ? "  <- heuristic's choice" : "");
   }
-  cublasLtMatmulPreferenceDestroy(pref);
 }
 
 // Every configuration cublasLtMatmulAlgoCheck accepts, timed; the ten fastest printed.
 void search(cublasLtHandle_t handle, const Case& cs, void* workspace, size_t workspace_bytes) {
   const Problem p(cs);
-  cublasLtMatmulPreference_t pref;
-  CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = workspace_bytes;
-  CHECK_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   cublasLtMatmulHeuristicResult_t first{};
-  int found = 0;
-  CHECK_LT(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.la, p.lb, p.lc, p.lc, pref, 1, &first, &found));
+  const int found = heuristic(handle, p, workspace_bytes, &first, 1);
   const double heuristic_ms = found ? p.time(handle, first.algo, workspace, workspace_bytes, 2, 10) : -1;
   std::printf("\n%s: M %lld N %lld K %lld, beta %.0f; heuristic: %.3f ms %.1f TFLOP/s (%s)\n", cs.name,
               (long long)cs.m, (long long)cs.n, (long long)cs.k, cs.beta, heuristic_ms,
@@ -273,7 +275,6 @@ void search(cublasLtHandle_t handle, const Case& cs, void* workspace, size_t wor
     std::printf("  %8.3f ms %7.1f TFLOP/s %5.3fx heuristic  %s\n", med, p.flops() / med * 1e-9, heuristic_ms / med,
                 describe(timed[i].second).c_str());
   }
-  cublasLtMatmulPreferenceDestroy(pref);
 }
 
 }  // namespace
