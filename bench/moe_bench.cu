@@ -44,6 +44,10 @@
 // over the four micro-batches' rows side by side (one GEMM per expert, K = 4 x the rows; no
 // FP32 gradient read back), instead of a GEMM per micro-batch that adds into it.
 //
+// "autotuned" rows: the same with GEMM autotuning on for that row (training.gemm_autotune: the
+// widened candidate search of docs/ops/gemm.md), its shapes tuned in the row's warm-up calls.
+// They run last: a tuned shape keeps its choice for the rest of the process.
+//
 // Usage: bench_moe [runs] [filter]   (needs a GPU; filter: only rows whose name contains it)
 //        bench_moe profile    one balanced BF16, one FP8 and one delayed-FP8 forward+backward between
 //                             cudaProfilerStart/Stop, for `ncu --profile-from-start off`
@@ -116,6 +120,7 @@ struct Case {
   bool cache_weights = false;  // with micro_batches > 1: fp8.cache_weights
   bool defer_weight_grad = false;  // with cache_weights: fp8.defer_expert_wgrad
   bool profile = false;
+  bool autotune = false;  // tessera::set_gemm_autotune(true) for this row (ops/gemm.h)
 };
 
 const char* g_filter = "";  // run only the rows whose name contains it
@@ -124,6 +129,13 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
   if (std::strstr(name, g_filter) == nullptr) return;
   const bool fp8 = c.fp8, profile = c.profile, step_start = c.step_start, delayed = c.delayed;
   set_grouped_gemm_streams(streams);
+  // GEMM autotuning for this row only: its shapes are tuned in the warm-up calls.
+  const bool autotune_before = gemm_autotune();
+  set_gemm_autotune(c.autotune || autotune_before);
+  struct RestoreAutotune {
+    bool on;
+    ~RestoreAutotune() { set_gemm_autotune(on); }
+  } restore_autotune{autotune_before};
   Context ctx = Context::cuda(0);
   const int64_t rows = kTokens * kTopK;
   nn::GroupedMLP mlp("experts", kExperts, kHidden, kFfn, DType::BF16);
@@ -287,6 +299,15 @@ int main(int argc, char** argv) {
     Case deferred_4 = cached_4;
     deferred_4.defer_weight_grad = true;
     run_case("bal fp8 delayed cached deferred 4-micro step", balanced, runs, 1, deferred_4);
+    // Last, because a tuned plan keeps its choice for the rest of the process: the BF16 layer
+    // and the delayed FP8 step with GEMM autotuning (training.gemm_autotune), side by side
+    // with the untuned rows above.
+    Case tuned;
+    tuned.autotune = true;
+    run_case("balanced autotuned", balanced, runs, 4, tuned);
+    Case delayed_keep_step_tuned = delayed_keep_step;
+    delayed_keep_step_tuned.autotune = true;
+    run_case("bal fp8 delayed keepWt step autotuned", balanced, runs, 1, delayed_keep_step_tuned);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe: %s\n", e.what());
