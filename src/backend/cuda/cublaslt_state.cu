@@ -77,16 +77,15 @@ class Scratch {
 
 // Each candidate: one untimed run, then timed rounds; see lt_tune. `indices` are the
 // candidates to time (launch's numbering); returns the position in it of the fastest, and
-// the figures through best_ms.
+// the figures through best.
 int time_rounds(void* stream, const std::vector<int>& indices, const std::function<bool(int)>& launch,
-                std::vector<float>& best_ms) {
+                std::vector<float>& best) {
   const auto s = static_cast<cudaStream_t>(stream);
   // Each candidate: one untimed run (its first launch loads the kernel), then three rounds
   // of two runs between events, interleaved with the others so that clock drift spreads
   // evenly; a candidate's figure is its best round.
   constexpr int kRounds = 3, kRunsPerRound = 2;
   const int count = static_cast<int>(indices.size());
-  std::vector<float>& best = best_ms;
   best.assign(count, std::numeric_limits<float>::infinity());
   std::vector<bool> runs(count, false);
   for (int i = 0; i < count; ++i) runs[i] = launch(indices[i]);

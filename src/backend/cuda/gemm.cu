@@ -88,7 +88,7 @@ struct Plan {
   cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool has_algo = false;
-  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first (algo is one of them)
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first (algo: one of them or, tuned, a variant)
   int uses = 0;
   bool tuned = false;
 };
@@ -212,18 +212,19 @@ void tune(Plan& plan, LtState& state, void* stream, const PlanKey& key, const Te
                                key.has_bias ? ", bias" : "", epilogue_name(key.epilogue));
   const size_t c_bytes = static_cast<size_t>((key.m - 1) * key.ldc + key.n) * dtype_size(key.c);
   void* workspace = lt_workspace(state, c.device().index, stream);
-  plan.candidates =
+  // The widened list lives for the tuning only: the plan keeps the choice.
+  const std::vector<cublasLtMatmulAlgo_t> candidates =
       lt_widen(state.handle, plan.desc, plan.first, plan.second, plan.out, plan.out, plan.candidates, kWorkspaceBytes);
   const int pick = lt_tune(
-      stream, static_cast<int>(plan.candidates.size()), key.beta_zero, c.raw_data(), c_bytes,
+      stream, static_cast<int>(candidates.size()), key.beta_zero, c.raw_data(), c_bytes,
       [&](int i, void* d) {
         // beta != 0: in place on lt_tune's copy, as the real call runs.
         return cublasLtMatmul(state.handle, plan.desc, &alpha, b.raw_data(), plan.first, a.raw_data(), plan.second,
-                              &beta, key.beta_zero ? c.raw_data() : d, plan.out, d, plan.out, &plan.candidates[i],
+                              &beta, key.beta_zero ? c.raw_data() : d, plan.out, d, plan.out, &candidates[i],
                               workspace, kWorkspaceBytes, static_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
       },
       what);
-  plan.algo = plan.candidates[pick];
+  plan.algo = candidates[pick];
 }
 
 // The cached plan for a key, made on first use. Call with plans_mutex held; plans are never

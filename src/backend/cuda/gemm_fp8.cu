@@ -353,19 +353,20 @@ void fp8_gemm(void* stream, const Fp8Operand& a, const Fp8Operand& b, Tensor& c,
     plan.tuned = true;
     const size_t c_bytes = static_cast<size_t>((m - 1) * key.ldc + n) * dtype_size(c.dtype());
     void* workspace = lt_workspace(state, device, stream);
-    plan.candidates = lt_widen(state.handle, plan.desc, plan.first, plan.second, plan.c_layout, plan.d_layout,
-                               plan.candidates, kWorkspaceBytes);
+    // The widened list lives for the tuning only: the plan keeps the choice.
+    const std::vector<cublasLtMatmulAlgo_t> candidates = lt_widen(
+        state.handle, plan.desc, plan.first, plan.second, plan.c_layout, plan.d_layout, plan.candidates, kWorkspaceBytes);
     const int pick = lt_tune(
-        stream, static_cast<int>(plan.candidates.size()), key.beta_zero, c.raw_data(), c_bytes,
+        stream, static_cast<int>(candidates.size()), key.beta_zero, c.raw_data(), c_bytes,
         [&](int i, void* d) {
           // beta != 0: in place on lt_tune's copy, as the real call runs.
           return cublasLtMatmul(state.handle, plan.desc, &p.alpha, b.data.raw_data(), plan.first, a.data.raw_data(),
                                 plan.second, &p.beta, key.beta_zero ? c_in : d, plan.c_layout, d, plan.d_layout,
-                                &plan.candidates[i], workspace, kWorkspaceBytes,
+                                &candidates[i], workspace, kWorkspaceBytes,
                                 static_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
         },
         "fp8 " + describe_call(key));
-    plan.algo = plan.candidates[pick];
+    plan.algo = candidates[pick];
   }
   const cublasStatus_t status =
       cublasLtMatmul(state.handle, plan.desc, &p.alpha, b.data.raw_data(), plan.first, a.data.raw_data(), plan.second,
