@@ -44,6 +44,13 @@
 // over the four micro-batches' rows side by side (one GEMM per expert, K = 4 x the rows; no
 // FP32 gradient read back), instead of a GEMM per micro-batch that adds into it.
 //
+// "castopt" rows: fp8.cast_in_optimizer (Transformer Engine's FP8 primary weights): the expert
+// weights' codes come from the optimizer's update, so the timed forward + backward casts no
+// weight. The codes are made once by that update (lr 0, untimed) and primed again before each
+// timed call. After the row, one line times the optimizer's part for the two weights: the
+// plain AdamW (with the BF16 copy), the fused AdamW + cast that replaces it, and the
+// separate cast (both orientations, every expert) that the forward makes without it.
+//
 // "autotuned" rows: the same with GEMM autotuning on for that row (training.gemm_autotune: the
 // widened candidate search of docs/ops/gemm.md), its shapes tuned in the row's warm-up calls.
 // They run last: a tuned shape keeps its choice for the rest of the process.
@@ -72,6 +79,7 @@
 #include "tessera/nn/moe.h"
 #include "tessera/ops/gemm.h"
 #include "tessera/ops/moe.h"
+#include "tessera/ops/optimizer.h"
 
 using namespace tessera;
 
@@ -112,6 +120,52 @@ Tensor loop_forward(Context& ctx, const nn::GroupedMLP& mlp, const Tensor& x, co
   return y;
 }
 
+// One optimizer step's tensors for a GroupedLinear's weight (zero moments, its gradient),
+// learning rate 0: the update leaves the weights as they are, so every row sees the same ones.
+AdamWTensorStep optimizer_step_of(Context& ctx, nn::Parameter& p) {
+  p.materialize_grad(ctx);
+  AdamWTensorStep s;
+  s.param = p.weights();
+  s.grad = p.grad;
+  s.exp_avg = Tensor::zeros(p.weights().shape(), DType::F32, ctx.device);
+  s.exp_avg_sq = Tensor::zeros(p.weights().shape(), DType::F32, ctx.device);
+  s.value = p.value;
+  s.options.lr = 0.0f;
+  return s;
+}
+
+// fp8.cast_in_optimizer: the two weights' updates, which prime the weight cache.
+void prime_from_optimizer(Context& ctx, nn::GroupedMLP& mlp) {
+  for (nn::GroupedLinear* l : {&mlp.fc, &mlp.proj}) {
+    AdamWTensorStep s = optimizer_step_of(ctx, l->weight);
+    l->optimizer_update(ctx, s);
+  }
+}
+
+// The optimizer's part of a castopt row (see the note at the top).
+void time_optimizer(Context& ctx, nn::GroupedMLP& mlp, int runs) {
+  AdamWTensorStep fc = optimizer_step_of(ctx, mlp.fc.weight), proj = optimizer_step_of(ctx, mlp.proj.weight);
+  const double plain_ms = median_ms([&] { adamw_step_one(ctx, fc); adamw_step_one(ctx, proj); }, runs, 2);
+  const double fused_ms = median_ms([&] { mlp.fc.optimizer_update(ctx, fc); mlp.proj.optimizer_update(ctx, proj); }, runs, 2);
+  // The forward's cast of every expert, both orientations, under the same delayed state.
+  MoEFp8Options o = *mlp.fc.fp8_options();
+  o.keep_weight_transpose = true;
+  MoEFp8Options op = *mlp.proj.fp8_options();
+  op.keep_weight_transpose = true;
+  const std::vector<int64_t> all(kExperts, 1);
+  const Tensor w_fc = mlp.fc.weight.value.reshape({kExperts, 2 * kFfn, kHidden});
+  const Tensor w_proj = mlp.proj.weight.value.reshape({kExperts, kHidden, kFfn});
+  const double cast_ms = median_ms(
+      [&] {
+        (void)moe_fp8_quantize_weights(ctx, w_fc, all, o);
+        (void)moe_fp8_quantize_weights(ctx, w_proj, all, op);
+      },
+      runs, 2);
+  std::printf("|   optimizer, fc + proj weights | AdamW %.2f ms + the forward's cast %.2f ms = %.2f | fused AdamW + cast "
+              "%.2f ms | saved %.2f ms |\n",
+              plain_ms, cast_ms, plain_ms + cast_ms, fused_ms, plain_ms + cast_ms - fused_ms);
+}
+
 // What a row runs: the layer's precision and FP8 options, and how each timed call starts.
 struct Case {
   bool fp8 = false, keep_weight_transpose = false, delayed = false;
@@ -121,6 +175,7 @@ struct Case {
   bool defer_weight_grad = false;  // with cache_weights: fp8.defer_expert_wgrad
   bool profile = false;
   bool autotune = false;  // tessera::set_gemm_autotune(true) for this row (ops/gemm.h)
+  bool cast_in_optimizer = false;  // with delayed: fp8.cast_in_optimizer (see "castopt" above)
 };
 
 const char* g_filter = "";  // run only the rows whose name contains it
@@ -155,11 +210,12 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
   double err = relative_error(y, loop_forward(ctx, mlp, x, scale, splits));
   std::shared_ptr<fp8::DeviceDelayedScaling> state;
   std::shared_ptr<fp8::WeightCache> cache;
+  std::vector<std::pair<const nn::Parameter*, MoEFp8Weights>> primed_casts;  // castopt rows
   if (fp8) {
     const Tensor dx16 = mlp.backward_input(ctx, dy, saved);
     MoEFp8Options options;
     options.keep_weight_transpose = c.keep_weight_transpose;
-    if (c.cache_weights) options.weight_cache = std::make_shared<fp8::WeightCache>();
+    if (c.cache_weights || c.cast_in_optimizer) options.weight_cache = std::make_shared<fp8::WeightCache>();
     options.defer_weight_grad = c.defer_weight_grad;
     cache = options.weight_cache;
     if (delayed) {
@@ -173,11 +229,26 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
       (void)mlp.backward_input(ctx, dy, warm);
       state->update(ctx);
     }
+    if (c.cast_in_optimizer) {
+      if (!state || !cache) throw std::runtime_error("castopt rows need delayed scaling and a weight cache");
+      prime_from_optimizer(ctx, mlp);
+    }
     nn::GroupedMLP::Saved saved8;
+    if (c.cast_in_optimizer) cache->open(/*keep_new=*/false);
     const Tensor y8 = mlp.forward(ctx, x, scale, splits, saved8);
     if (!saved8.fp8) throw std::runtime_error("the FP8 path did not run");
     const Tensor dx8 = mlp.backward_input(ctx, dy, saved8);
     err = std::max(relative_error(y8, y), relative_error(dx8, dx16));
+    if (c.cast_in_optimizer) {
+      if (cache->hits() != 2) throw std::runtime_error("the optimizer's casts did not serve the forward");
+      // The codes the timed calls start from (handles; the weights do not change).
+      nn::GroupedLinear* layers[2] = {&mlp.fc, &mlp.proj};
+      for (nn::GroupedLinear* l : layers)
+        primed_casts.emplace_back(&l->weight, cache->get_or_make<MoEFp8Weights>(&l->weight, []() -> MoEFp8Weights {
+          throw std::runtime_error("no primed cast");
+        }));
+      cache->close();
+    }
   }
 
   if (profile) {
@@ -204,7 +275,12 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
                             [&] {
                               if (step_start || micro > 1)  // as zero_grad
                                 mlp.fc.weight.grad_unwritten = mlp.proj.weight.grad_unwritten = true;
-                              if (cache) cache->open();
+                              if (!primed_casts.empty()) {
+                                for (const auto& [key, w] : primed_casts) cache->prime(key, w);
+                                cache->open(/*keep_new=*/false);
+                              } else if (cache) {
+                                cache->open();
+                              }
                               for (int m = 0; m < micro; ++m) {
                                 (void)mlp.forward(ctx, x, scale, splits, saved);
                                 (void)mlp.backward_input(ctx, dy, saved);
@@ -222,6 +298,7 @@ void run_case(const char* name, const std::vector<int64_t>& splits, int runs, in
   const double flop_fwd = 6.0 * rows * kHidden * kFfn;
   std::printf("| %-8s | %7d | %8.2f | %6.1f | %8.2f | %6.1f | %.1e %s |\n", name, streams, fwd_ms,
               flop_fwd / fwd_ms * 1e-9, all_ms, 3 * flop_fwd / all_ms * 1e-9, err, err < (fp8 ? 0.1 : 2e-2) ? "ok" : "WRONG");
+  if (c.cast_in_optimizer) time_optimizer(ctx, mlp, runs);
 }
 
 }  // namespace
@@ -283,6 +360,10 @@ int main(int argc, char** argv) {
     run_case("bal fp8 delayed keepWt", balanced, runs, 1, delayed_keep);
     run_case("skew fp8 delayed", skewed, runs, 1, delayed);
     run_case("bal fp8 delayed keepWt step", balanced, runs, 1, delayed_keep_step);
+    // ... with the weights' casts made by the optimizer (fp8.cast_in_optimizer).
+    Case castopt_step = delayed_keep_step;
+    castopt_step.cast_in_optimizer = true;
+    run_case("bal fp8 delayed castopt step", balanced, runs, 1, castopt_step);
     // Whole steps of four micro-batches, per micro-batch: BF16, and delayed FP8 with the
     // expert weights cast in every micro-batch (W^T kept) or once a step (cache_weights).
     Case bf16_4;
@@ -308,6 +389,9 @@ int main(int argc, char** argv) {
     Case delayed_keep_step_tuned = delayed_keep_step;
     delayed_keep_step_tuned.autotune = true;
     run_case("bal fp8 delayed keepWt step autotuned", balanced, runs, 1, delayed_keep_step_tuned);
+    Case castopt_step_tuned = castopt_step;
+    castopt_step_tuned.autotune = true;
+    run_case("bal fp8 delayed castopt step autotuned", balanced, runs, 1, castopt_step_tuned);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe: %s\n", e.what());

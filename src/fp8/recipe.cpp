@@ -73,19 +73,24 @@ Recipe Recipe::from_json(const nlohmann::json& j, const std::string& where) {
   TESSERA_CHECK(j.is_object(), "config: ", where, " must be a mapping, got ", j.dump());
   TESSERA_CHECK(j.contains("recipe"), "config: ", where, ".recipe is missing (delayed, current, block or mxfp8)");
   if (j.contains("lm_head") || j.contains("keep_weight_transpose") || j.contains("cache_weights") ||
-      j.contains("defer_expert_wgrad")) {
+      j.contains("defer_expert_wgrad") || j.contains("cast_in_optimizer")) {
     // keys of every recipe: read them, then the rest as before
     nlohmann::json rest = j;
-    for (const char* key : {"lm_head", "keep_weight_transpose", "cache_weights", "defer_expert_wgrad"}) rest.erase(key);
+    for (const char* key : {"lm_head", "keep_weight_transpose", "cache_weights", "defer_expert_wgrad", "cast_in_optimizer"})
+      rest.erase(key);
     Recipe r = from_json(rest, where);
     read_bool(j, where, "lm_head", r.lm_head);
     read_bool(j, where, "keep_weight_transpose", r.keep_weight_transpose);
     read_bool(j, where, "cache_weights", r.cache_weights);
     read_bool(j, where, "defer_expert_wgrad", r.defer_expert_wgrad);
+    read_bool(j, where, "cast_in_optimizer", r.cast_in_optimizer);
     // The deferred GEMM runs every micro-batch's codes with one scale: delayed scaling's,
     // which only end_step moves; and it is flushed where the weight cache closes.
     TESSERA_CHECK(!r.defer_expert_wgrad || (r.name() == "delayed" && r.cache_weights), "config: ", where,
                   ".defer_expert_wgrad needs ", where, ".recipe: delayed and ", where, ".cache_weights: true");
+    // The update casts with the scale of the next step, which only delayed scaling knows then.
+    TESSERA_CHECK(!r.cast_in_optimizer || r.name() == "delayed", "config: ", where, ".cast_in_optimizer needs ", where,
+                  ".recipe: delayed (the other recipes' scales come from the weight being cast)");
     return r;
   }
   const std::string name = read_choice(j, where, "recipe", {"delayed", "current", "block", "mxfp8"});
@@ -132,6 +137,7 @@ nlohmann::json Recipe::to_json() const {
   if (keep_weight_transpose) j["keep_weight_transpose"] = true;
   if (!cache_weights) j["cache_weights"] = false;
   if (defer_expert_wgrad) j["defer_expert_wgrad"] = true;
+  if (cast_in_optimizer) j["cast_in_optimizer"] = true;
   if (const auto* c = std::get_if<DelayedScalingConfig>(&config)) {
     j["history_len"] = c->history_len;
     j["amax_compute"] = c->amax_compute == DelayedScalingConfig::AmaxCompute::Max ? "max" : "most_recent";

@@ -1,5 +1,7 @@
 #include "tessera/nn/fp8_scaling.h"
 
+#include <algorithm>
+
 #include "tessera/ops/quantize.h"
 
 namespace tessera::nn {
@@ -91,8 +93,15 @@ void Fp8Scaling::begin_step(int64_t micro_batches) {
   TESSERA_CHECK(!weight_cache_->has_deferred(), "Fp8Scaling::begin_step: the previous step's deferred weight ",
                 "gradients were never computed (end_micro_batch or end_step missing)");
   cached_micro_batches_left_ = recipe_.cache_weights && micro_batches > 1 ? micro_batches : 0;
-  if (cached_micro_batches_left_ > 0) weight_cache_->open();
-  else weight_cache_->close();
+  if (cached_micro_batches_left_ > 0) {
+    weight_cache_->open();
+  } else if (weight_cache_->has_primed()) {
+    // fp8.cast_in_optimizer: the optimizer's casts serve this step, nothing else is kept.
+    cached_micro_batches_left_ = std::max<int64_t>(micro_batches, 1);
+    weight_cache_->open(/*keep_new=*/false);
+  } else {
+    weight_cache_->close();
+  }
 }
 
 void Fp8Scaling::end_micro_batch(Context& ctx) {

@@ -127,6 +127,23 @@ void GroupedLinear::backward_weight_fp8(Context& ctx, const Fp8Saved& saved) {
   grouped_linear_backward_weight_fp8(ctx, saved.dy, saved.x, dw, /*accumulate=*/!overwrite);
 }
 
+void GroupedLinear::optimizer_update(Context& ctx, AdamWTensorStep& step) const {
+  if (!fp8_ || !fp8_->delayed || !fp8_->weight_cache || !runs_fp8(DType::BF16) || !step.value.defined()) {
+    adamw_step_one(ctx, step);
+    return;
+  }
+  const int64_t first = fp8_->delayed_base + MoEFp8Options::kDelayedWeight;
+  const DType fp8 = fp8_->forward_dtype();
+  MoEFp8WeightCast cast;
+  cast.scale = fp8_->delayed->scales().slice(0, first, first + experts_);
+  cast.amax = fp8_->delayed->pending_amaxes().slice(0, first, first + experts_);
+  cast.data = Tensor::empty({experts_, out_, in_}, fp8, ctx.device);
+  cast.data_t = Tensor::empty({experts_, in_, out_}, fp8, ctx.device);
+  moe_fp8_adamw_cast_weights(ctx, step.param, step.grad, step.exp_avg, step.exp_avg_sq, step.value, step.options,
+                             step.weight_decay, step.grad_norm, step.max_norm, cast);
+  fp8_->weight_cache->prime<MoEFp8Weights>(&weight, moe_fp8_weights_from_cast(ctx, cast, *fp8_));
+}
+
 namespace {
 
 // The micro-batches' transposed codes of one operand side by side: expert e's padded columns

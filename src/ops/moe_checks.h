@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "tessera/ops/moe.h"
 
 #if TESSERA_WITH_CUDA
+#include "backend/cuda/fp8_scaling.h"
 #include "backend/cuda/stream_fan.h"
 #endif
 
@@ -96,6 +99,20 @@ void for_each_expert(Context& ctx, const std::vector<int64_t>& splits, Fn&& fn) 
     fn(ctx, e, row);
     row += splits[e];
   }
+}
+
+// target = fold(target, a): delayed scaling's pending-amax rule (NaN sticky, else the max),
+// for the casts that reduce their amax separately (the CPU, and CUDA fallbacks).
+inline void fold_amax_into(Context& ctx, const Tensor& a, Tensor& target) {
+  if (ctx.device.is_cuda()) {
+#if TESSERA_WITH_CUDA
+    cuda::fold_amax(ctx.stream, a, target);
+    return;
+#endif
+  }
+  const float v = a.data<float>()[0];
+  float& t = target.data<float>()[0];
+  t = (std::isnan(v) || std::isnan(t)) ? std::numeric_limits<float>::quiet_NaN() : std::max(t, v);
 }
 
 }  // namespace tessera::moe_detail

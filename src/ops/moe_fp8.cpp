@@ -106,20 +106,6 @@ Tensor current_scale(Context& ctx, const Tensor& amax_value, DType fp8, const Mo
   return scale;
 }
 
-// target = fold(target, a): delayed scaling's pending-amax rule (NaN sticky, else the max),
-// for the casts that reduce their amax separately (the CPU, and CUDA fallbacks).
-void fold_amax_into(Context& ctx, const Tensor& a, Tensor& target) {
-  if (ctx.device.is_cuda()) {
-#if TESSERA_WITH_CUDA
-    cuda::fold_amax(ctx.stream, a, target);
-    return;
-#endif
-  }
-  const float v = a.data<float>()[0];
-  float& t = target.data<float>()[0];
-  t = (std::isnan(v) || std::isnan(t)) ? std::numeric_limits<float>::quiet_NaN() : std::max(t, v);
-}
-
 MoEFp8Rows empty_rows(Context& ctx, int64_t rows, int64_t cols, const std::vector<int64_t>& splits, DType fp8) {
   MoEFp8Rows q;
   q.dtype = fp8;

@@ -235,4 +235,11 @@ void adamw_step_multi(Context& ctx, std::vector<Tensor>& params, const std::vect
                         max_norm);
 }
 
+void adamw_step_one(Context& ctx, AdamWTensorStep& step) {
+  std::vector<Tensor> params{step.param}, grads{step.grad}, avgs{step.exp_avg}, avg_sqs{step.exp_avg_sq};
+  std::vector<Tensor> values{step.value};
+  adamw_step_multi(ctx, params, grads, avgs, avg_sqs, values, step.options, {step.weight_decay}, step.grad_norm,
+                   step.max_norm);
+}
+
 }  // namespace tessera

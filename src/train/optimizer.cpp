@@ -64,17 +64,39 @@ void Optimizer::queue(Context& ctx, const AdamWOptions& options, const Tensor& s
   // The norm stays F64 so that the clip factor is computed from the very double the
   // earlier per-parameter path computed on the host (the same bits on the CPU).
   if (!norm_.defined() || norm_.device() != ctx.device) norm_ = Tensor::zeros({1}, DType::F64, ctx.device);
-  std::vector<size_t> all(params_.size());
+  std::vector<size_t> all(params_.size()), multi;
+  // A captured step cannot run the custom updates (they allocate and prime host-side caches).
+  const bool custom = !step_scalars.defined() && !custom_order_.empty();
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i]->materialize_grad(ctx);  // a lazily zeroed gradient no backward wrote is zeros
     all[i] = i;
+    if (!custom || !custom_[i]) multi.push_back(i);
   }
-  Lists l = lists_for(all);
-  global_grad_norm(ctx, l.grads, norm_, &norm_cache_);
+  const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : 0.0;
+  global_grad_norm(ctx, lists_for(all).grads, norm_, &norm_cache_);
   // Clipping scales the gradient, not lr and eps: Adam is scale invariant except for eps,
   // so scaling those would be another update.
+  Lists l = lists_for(multi);
   adamw_step_multi(ctx, l.weights, l.grads, l.exp_avg, l.exp_avg_sq, l.values, options, l.weight_decays, norm_,
-                   config_.grad_clip > 0 ? config_.grad_clip : 0.0, &adamw_cache_, step_scalars);
+                   max_norm, &adamw_cache_, step_scalars);
+  if (!custom) return;
+  for (size_t i : custom_order_) {
+    const Lists one = lists_for({i});
+    AdamWTensorStep step{one.weights[0], one.grads[0], one.exp_avg[0], one.exp_avg_sq[0], one.values[0], options,
+                         one.weight_decays[0], norm_, max_norm};
+    custom_[i](ctx, step);
+  }
+}
+
+void Optimizer::set_custom_update(const nn::Parameter& parameter, CustomUpdate update) {
+  const auto it = std::find(params_.begin(), params_.end(), &parameter);
+  TESSERA_CHECK(it != params_.end(), "Optimizer::set_custom_update: ", parameter.name, " is not one of this ",
+                "optimizer's parameters");
+  const size_t i = static_cast<size_t>(it - params_.begin());
+  custom_.resize(params_.size());
+  custom_order_.erase(std::remove(custom_order_.begin(), custom_order_.end(), i), custom_order_.end());
+  custom_[i] = std::move(update);
+  if (custom_[i]) custom_order_.push_back(i);
 }
 
 Optimizer::Lists Optimizer::lists_for(const std::vector<size_t>& indices) const {

@@ -253,6 +253,16 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     TESSERA_CHECK(!c.fp8->defer_expert_wgrad || dist_run.size() == 1, "config: fp8.defer_expert_wgrad runs on one ",
                   "device only (this run has ", dist_run.size(), " ranks); drop it or run on one GPU");
     fp8_state = models::enable_fp8(ctx, model, *c.fp8);
+    // fp8.cast_in_optimizer: the experts' updates write their next casts (after end_step).
+    TESSERA_CHECK(!c.fp8->cast_in_optimizer || !zero1, "config: fp8.cast_in_optimizer runs with the plain optimizer; ",
+                  "drop it or training.zero1");
+    if (c.fp8->cast_in_optimizer)
+      for (auto& layer : model.layers)
+        if (layer->moe)
+          for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj})
+            optimizer.set_custom_update(linear->weight, [linear](Context& x, AdamWTensorStep& s) {
+              linear->optimizer_update(x, s);
+            });
   }
   // What a checkpoint's trainer state holds besides the weights and the optimizer: put back on
   // resume and on every rewind (from memory or from a checkpoint).
@@ -362,6 +372,8 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
         std::printf(" and the experts of %lld MoE layers%s", static_cast<long long>(moe_layers),
                     fp8_state->expert_state() ? " (per-expert delayed scales)" : " (per-expert current scales)");
       std::printf("\n");
+      if (c.fp8->cast_in_optimizer && moe_layers > 0)
+        std::printf("train: the experts' FP8 weights cast by the optimizer's update for the next step\n");
       if (t.grad_accum > 1 && c.fp8->cache_weights)
         std::printf("train: FP8 weights cast once per step for its %lld micro-batches%s\n",
                     static_cast<long long>(t.grad_accum),
@@ -498,6 +510,7 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     std::string from;
     int64_t back_to = 0;
     metrics.close();
+    if (fp8_state) fp8_state->weight_cache()->drop_primed();  // casts of the weights being rolled back
     if (last_good) {
       restore_snapshot(*last_good, model, &opt);
       restore_trainer_tensors(last_good->extra);
@@ -559,6 +572,7 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     // The captured step has no place for the host to poison a gradient between backward and
     // the optimizer: such steps, and batches with ignored targets, run eagerly (same bits).
     if (graph_step && !poison_now && graph_step->accepts(batches)) {
+      if (fp8_state) fp8_state->weight_cache()->drop_primed();  // this step changes the weights without them
       const CudaGraphStep::Result r = graph_step->step(batches, lr);
       loss = r.loss;
       grad_norm = r.grad_norm;
@@ -603,6 +617,9 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
       // The plain optimizer on several data ranks: average the gradients (finishing what the
       // backward started; also after a NaN loss, so that no reduction is left pending).
       dist_run.reduce_gradients(ctx);
+      // Delayed scaling: next step's scales, before the optimizer, whose casts for that step
+      // (fp8.cast_in_optimizer) use them (the captured step queues this itself).
+      if (fp8_state) fp8_state->end_step(ctx);
       if (optimizer.armed()) {
         // The update ran with the backward; step() finishes it. A NaN loss has updated the
         // weights already: the rewind restores them (and without rewinds the run stops).
@@ -616,8 +633,6 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
           grad_norm = opt.step(ctx, lr);
         }
       }
-      // Delayed scaling: next step's scales (the captured step queues this itself).
-      if (fp8_state) fp8_state->end_step(ctx);
     }
     // MoE: the step's tokens per expert of each layer (logged below), then the
     // auxiliary-loss-free balancing, which moves the biases by them and resets them.

@@ -90,6 +90,14 @@ struct Recipe {
   // output gradients until the step's end (docs/ops/moe.md, "Deferred weight gradients").
   // Needs cache_weights and a single-device run.
   bool defer_expert_wgrad = false;
+  // `cast_in_optimizer` (delayed recipe only; default false): the optimizer's update of each
+  // MoE expert weight also writes its FP8 codes (both orientations) for the next step, in the
+  // same pass (Transformer Engine's FP8 primary weights, without dropping the BF16 copy), so
+  // the forward and backward cast no expert weight. Saves the cast's read of the BF16 weight
+  // per step; 2 bytes per expert parameter held from the update to the next backward
+  // (docs/ops/moe.md, "Casts in the optimizer"). Needs the plain optimizer (not
+  // training.zero1).
+  bool cast_in_optimizer = false;
 
   std::string name() const;  // "delayed", "current", "block" or "mxfp8"
   // `where` names the section in error messages, e.g. "fp8" gives "fp8.margin".

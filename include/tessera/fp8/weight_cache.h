@@ -25,6 +25,13 @@
 // from the first forward until the step ends, where the uncached path holds at most one
 // layer's. Not thread-safe: one cache per model, used by the thread that trains it.
 //
+// fp8.cast_in_optimizer: the optimizer's update of an MoE expert weight also writes its casts
+// for the next step (nn::GroupedLinear::optimizer_update) and PRIMES the cache with them.
+// Primed entries outlive close(); the next open() starts from them, and with nothing but
+// primed entries to serve (one micro-batch a step) it keeps no new casts. They are the next
+// step's casts only if the weights do not change before that open: whoever changes them in
+// between (a rewind, a step run without the cache) calls drop_primed().
+//
 // The same window carries work deferred to the step's last micro-batch (defer / flush): the
 // MoE experts' weight gradients under fp8.defer_expert_wgrad (nn::GroupedLinear), which are
 // computed once per step over every micro-batch's rows instead of once per micro-batch.
@@ -45,10 +52,13 @@ namespace tessera::fp8 {
 class WeightCache {
  public:
   // Start of a step's micro-batches: entries made from now on serve the rest of the step.
-  void open() {
+  // keep_new false: serve the primed entries only, casting anything else every time.
+  void open(bool keep_new = true) {
     TESSERA_CHECK(deferred_.empty(), "fp8::WeightCache: opened with deferred work not flushed");
-    entries_.clear();
+    entries_ = std::move(primed_);
+    primed_.clear();
     open_ = true;
+    keep_new_ = keep_new;
   }
   // End of the step (before the weights change): every entry goes, nothing is cached.
   // Deferred work must have been flushed.
@@ -67,6 +77,13 @@ class WeightCache {
     for (auto& w : work) w(ctx);
   }
   bool is_open() const { return open_; }
+  // A cast of the weight `key` made for the next open() (see above).
+  template <typename T>
+  void prime(const void* key, T value) {
+    primed_[key] = std::move(value);
+  }
+  bool has_primed() const { return !primed_.empty(); }
+  void drop_primed() { primed_.clear(); }
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
   // How many casts were served from the cache since construction (for tests and logs).
   int64_t hits() const { return hits_; }
@@ -83,14 +100,14 @@ class WeightCache {
       }
     }
     T made = make();
-    entries_[key] = made;
+    if (keep_new_) entries_[key] = made;
     return made;
   }
 
  private:
-  bool open_ = false;
+  bool open_ = false, keep_new_ = true;
   int64_t hits_ = 0;
-  std::unordered_map<const void*, std::any> entries_;
+  std::unordered_map<const void*, std::any> entries_, primed_;
   std::vector<std::function<void(Context&)>> deferred_;
 };
 

@@ -63,6 +63,13 @@ class GroupedLinear {
   // copy of the codes), one GEMM per expert. Called by the weight cache's flush.
   void flush_weight_grad_fp8(Context& ctx);
 
+  // fp8.cast_in_optimizer (train::Optimizer::set_custom_update): this weight's AdamW step
+  // fused with its FP8 casts for the next step under delayed scaling
+  // (moe_fp8_adamw_cast_weights), which then prime the weight cache (fp8/weight_cache.h) for
+  // the next forward; the plain step without a delayed FP8 setting. Run it after the
+  // scaling's end_step, whose new scales the casts use.
+  void optimizer_update(Context& ctx, AdamWTensorStep& step) const;
+
   int64_t num_experts() const { return experts_; }
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }

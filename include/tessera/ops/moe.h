@@ -33,6 +33,7 @@
 #include "tessera/fp8/quantized_tensor.h"
 #include "tessera/fp8/recipe.h"
 #include "tessera/fp8/weight_cache.h"
+#include "tessera/ops/optimizer.h"
 
 namespace tessera {
 
@@ -258,6 +259,30 @@ MoEFp8Rows moe_fp8_cast_rows_for(Context& ctx, const Tensor& x, const std::vecto
 // of the state's (on CUDA 16-byte aligned, for cuBLASLt).
 MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std::vector<int64_t>& split_sizes,
                                        const MoEFp8Options& options);
+
+// fp8.cast_in_optimizer: one AdamW step of a GroupedLinear's weight (param: its F32 master,
+// E*N*K elements; grad, exp_avg, exp_avg_sq and its BF16 value as adamw_step_multi takes
+// them for one tensor, with weight_decay its decay) and, in the same pass, the delayed-scaling
+// cast of each expert's new BF16 value [N, K] for the next step's forward:
+//   data[e] = fp8(value_e * scale[e]) [N, K],  data_t[e] = its transpose [K, N]
+//   amax[e] = fold(amax[e], max |value_e|)     (NaN sticky, as pending amaxes fold)
+// The weights, moments and value get adamw_step_multi's bits; the codes are
+// fp8::quantize_with_transpose's of the stored value with scale[e] (so
+// moe_fp8_quantize_weights' under delayed scaling, read from the value). On CUDA one kernel
+// (16-byte aligned tensors, K % 8 == 0, N % 8 == 0), which saves the cast's own read of the
+// value (2 of its 4 bytes an element); elsewhere the composition. scale and amax: F32 [E]
+// (the delayed state's weight slots of the layer); data, data_t: E4M3 or E5M2, overwritten.
+struct MoEFp8WeightCast {
+  Tensor scale, amax, data, data_t;
+};
+void moe_fp8_adamw_cast_weights(Context& ctx, Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                                Tensor& value, const AdamWOptions& options, float weight_decay,
+                                const Tensor& grad_norm, double max_norm, MoEFp8WeightCast& out);
+// The casts above as the FP8 grouped GEMMs take them (moe_fp8_quantize_weights' result for
+// every expert under delayed scaling): expert e's entries are views of data / data_t, its
+// scale_inv a copy of the delayed state's (options.delayed, slot kDelayedWeight + e) made
+// now, so call it after the state's update for the step the casts serve.
+MoEFp8Weights moe_fp8_weights_from_cast(Context& ctx, const MoEFp8WeightCast& cast, const MoEFp8Options& options);
 // Whether moe_fp8_quantize_weights takes the per-expert loop on CUDA too (process-wide; the
 // default is TESSERA_MOE_LEGACY=1 in the environment, read once): for timing the two and for
 // the tests that compare them.

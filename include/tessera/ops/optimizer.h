@@ -101,6 +101,19 @@ void adamw_step_multi(Context& ctx, std::vector<Tensor>& params, const std::vect
                       const std::vector<float>& weight_decays, const Tensor& grad_norm, double max_norm,
                       MultiTensorCache* cache = nullptr, const Tensor& step_scalars = Tensor());
 
+// One tensor's share of an adamw_step_multi call (handles to its tensors and the call's
+// scalars), for code that runs the update of some parameters itself
+// (train::Optimizer::set_custom_update).
+struct AdamWTensorStep {
+  Tensor param, grad, exp_avg, exp_avg_sq, value;  // value: the BF16 copy, or undefined
+  AdamWOptions options;
+  float weight_decay = 0.0f;
+  Tensor grad_norm;  // as adamw_step_multi takes it
+  double max_norm = 0.0;
+};
+// adamw_step_multi on that one tensor.
+void adamw_step_one(Context& ctx, AdamWTensorStep& step);
+
 // The per-step scalars of an AdamW step, computed on the host by the CPU reference's
 // expressions (in double, then rounded to float as the kernels use them) and stored exactly
 // as doubles: {lr, step, lr / (1 - beta1^step), sqrt(1 - beta2^step)}. Checks the options

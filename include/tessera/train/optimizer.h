@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <utility>
 #include <vector>
@@ -98,6 +99,14 @@ class Optimizer : public OptimizerBase {
   static constexpr int64_t kOverlapBucketElements = int64_t(8) << 20;
   void set_overlap_bucket_elements(int64_t elements) { overlap_bucket_elements_ = std::max<int64_t>(1, elements); }
 
+  // A parameter whose update `update` runs instead of the multi-tensor pass, with the step's
+  // tensors and scalars (after that pass, in the order set): fp8.cast_in_optimizer's
+  // nn::GroupedLinear::optimizer_update. The gradient norm still covers it. A captured step
+  // (queue_step) and an overlapped one update it as any other parameter. An empty function
+  // removes it.
+  using CustomUpdate = std::function<void(Context&, AdamWTensorStep&)>;
+  void set_custom_update(const nn::Parameter& parameter, CustomUpdate update);
+
   // Optimizer state as named tensors ("<param>.exp_avg", "<param>.exp_avg_sq") plus the
   // step count, for checkpoints.
   std::vector<std::pair<std::string, Tensor>> state() const override;
@@ -110,6 +119,8 @@ class Optimizer : public OptimizerBase {
   Tensor norm_;                                  // F64 [1] on the parameters' device
   MultiTensorCache norm_cache_, adamw_cache_;    // device tables of the two multi-tensor ops
   int64_t step_ = 0;
+  std::vector<size_t> custom_order_;        // parameters with a custom update, in the order set
+  std::vector<CustomUpdate> custom_;        // per parameter; empty: the multi-tensor pass
 
   // The overlapped step (begin_step .. step): the armed learning rate, which parameters are
   // updated already, the bucket being filled (indices into params_) and its elements, the

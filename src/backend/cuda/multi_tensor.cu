@@ -31,14 +31,28 @@
 // element update uses the CPU's float operations in its order with __f*_rn intrinsics.
 // Floor: 28 B per element with F32 grads (4 reads, 3 writes) plus 2 B for a BF16 value:
 // 124M parameters with BF16 values -> 3.7 GB / 4.1 TB/s = 0.91 ms.
+//
+// adamw_step_fp8_cast (fp8.cast_in_optimizer): one MoE expert weight [E, N, K] updated as
+// adamw_multi_kernel updates it (the same expressions, so the same bits), and in the same
+// pass its new BF16 value cast to FP8 with each expert's delayed scale, row-wise and
+// transposed, the expert's amax folded in: what GroupedLinear's forward would otherwise cast
+// from the BF16 value in the next step. Tiles of 64 x 128 (code_tile.cuh) over a persistent
+// grid. Floor: 30 B + 2 B of codes per element; Mixtral's fc weight [8, 28672, 4096]
+// (0.94G elements) -> 30.1 GB / 4.1 TB/s = 7.3 ms, against 28 + 2 B for the update and
+// 2 + 2 B for the separate cast (the cast's 2-byte reread of the value is what it saves).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "code_tile.cuh"
+#include "cuda_backend.h"
 #include "cuda_check.h"
+#include "fp8_cvt.cuh"
 #include "multi_tensor.h"
 #include "vec_io.cuh"
 
@@ -175,6 +189,23 @@ __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, floa
   p = __fsub_rn(__fmul_rn(p, decay), __fmul_rn(c.step_size, __fdiv_rn(mi, denom)));
 }
 
+// The host's clip expression, in double (rounded to float by the caller, as scale() received
+// it). norm: F64 when norm_f64, else F32; read only when max_norm > 0.
+__device__ __forceinline__ double clip_factor(const void* norm, bool norm_f64, double max_norm) {
+  double clip = 1.0;
+  if (max_norm > 0.0) {
+    const double n =
+        norm_f64 ? *static_cast<const double*>(norm) : static_cast<double>(*static_cast<const float*>(norm));
+    if (n > max_norm) clip = __ddiv_rn(max_norm, __dadd_rn(n, 1e-6));  // a NaN norm compares false
+  }
+  return clip;
+}
+
+// 1 - lr * weight_decay in double, rounded once to float.
+__device__ __forceinline__ float decay_factor(float lr, float weight_decay) {
+  return __double2float_rn(__dsub_rn(1.0, __dmul_rn(static_cast<double>(lr), static_cast<double>(weight_decay))));
+}
+
 // norm: F64 when norm_f64, else F32; read only when max_norm > 0. step_scalars: null, or
 // adamw_step_scalars' four doubles, whose lr, step size and bias correction (floats stored
 // exactly) replace c's.
@@ -189,17 +220,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t chunk = blockIdx.x;
   const AdamEntry e = entry_of(entries, count, chunk);
-  // The host's clip expression, in double, then rounded to float as scale() received it.
-  double clip = 1.0;
-  if (max_norm > 0.0) {
-    const double n =
-        norm_f64 ? *static_cast<const double*>(norm) : static_cast<double>(*static_cast<const float*>(norm));
-    if (n > max_norm) clip = __ddiv_rn(max_norm, __dadd_rn(n, 1e-6));  // a NaN norm compares false
-  }
+  const double clip = clip_factor(norm, norm_f64, max_norm);
   const bool scaled = clip != 1.0;
   const float clip_f = __double2float_rn(clip);
-  const float decay =
-      __double2float_rn(__dsub_rn(1.0, __dmul_rn(static_cast<double>(c.lr), static_cast<double>(e.weight_decay))));
+  const float decay = decay_factor(c.lr, e.weight_decay);
   const G* grad = static_cast<const G*>(e.grad);
   const int64_t begin = (chunk - e.first_chunk) * kChunk;
   const int64_t end = e.numel < begin + kChunk ? e.numel : begin + kChunk;
@@ -230,6 +254,73 @@ __global__ void __launch_bounds__(kThreads)
     e.exp_avg_sq[i] = v;
     if (e.value) vec::store(e.value, i, p);
   }
+}
+
+// adamw_step_fp8_cast's kernel. Tile t of the grid's loop is tile t % per_expert of expert
+// t / per_expert, row-major over the expert's [rows = N, cols = K]; each thread takes four
+// 8-element pieces of it (16 to a tile row), updates them, then casts their BF16 values
+// into the row-wise codes and the shared tile that the transposed store reads.
+constexpr int kCastBlocksPerSm = 3;
+constexpr int kCastPieces = code_tile::kRows * code_tile::kCols / kWidth / kThreads;  // 4
+
+template <typename G, bool kE4M3>
+__global__ void __launch_bounds__(kThreads, kCastBlocksPerSm)
+    adamw_cast_kernel(AdamEntry e, AdamScalars c, const void* norm, bool norm_f64, double max_norm,
+                      const float* scale, uint32_t* amax_bits, uint8_t* q, uint8_t* q_t, int64_t rows, int64_t cols,
+                      int64_t tiles_across, int64_t per_expert, int64_t tiles) {
+  constexpr int kPiecesPerRow = code_tile::kCols / kWidth;
+  __shared__ uint32_t tile[code_tile::kRows][code_tile::kWords];
+  const double clip = clip_factor(norm, norm_f64, max_norm);
+  const bool scaled = clip != 1.0;
+  const float clip_f = __double2float_rn(clip);
+  const float decay = decay_factor(c.lr, e.weight_decay);
+  const G* grad = static_cast<const G*>(e.grad);
+  const int64_t size = rows * cols;
+  uint32_t m = 0;  // the amax of the expert this block is on, flushed when it changes
+  int64_t amax_expert = -1;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t expert = t / per_expert, local = t % per_expert;
+    if (expert != amax_expert) {  // block-uniform
+      if (amax_expert >= 0) fp8cvt::block_atomic_max(m, amax_bits + amax_expert);
+      m = 0;
+      amax_expert = expert;
+    }
+    const int64_t r0 = (local / tiles_across) * code_tile::kRows, c0 = (local % tiles_across) * code_tile::kCols;
+    const float s = scale[expert];
+#pragma unroll
+    for (int k = 0; k < kCastPieces; ++k) {
+      const int id = int(threadIdx.x) + k * kThreads, row = id / kPiecesPerRow, piece = id % kPiecesPerRow;
+      const int64_t r = r0 + row, col = c0 + int64_t(piece) * kWidth;
+      if (r >= rows || col >= cols) continue;
+      const int64_t j = expert * size + r * cols + col;
+      float p[kWidth], mo[kWidth], v[kWidth], g[kWidth];
+      vec::load8(e.param + j, p);
+      vec::load8(e.exp_avg + j, mo);
+      vec::load8(e.exp_avg_sq + j, v);
+      vec::load8(grad + j, g);
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) adamw_element(p[i], mo[i], v[i], scaled ? __fmul_rn(clip_f, g[i]) : g[i], c, decay);
+      vec::store8(e.param + j, p);
+      vec::store8(e.exp_avg + j, mo);
+      vec::store8(e.exp_avg_sq + j, v);
+      vec::store8(e.value + j, p);
+      // The codes of the value just stored: what the forward's cast would read.
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) {
+        p[i] = vec::round_bf16(p[i]);
+        m = max(m, fp8cvt::abs_bits(p[i]));
+      }
+      uint32_t words[2];
+      fp8cvt::quantize_words<kE4M3, kWidth>(p, s, words);
+      *reinterpret_cast<uint2*>(q + j) = make_uint2(words[0], words[1]);
+      tile[row][code_tile::swizzle(row, 2 * piece)] = words[0];
+      tile[row][code_tile::swizzle(row, 2 * piece + 1)] = words[1];
+    }
+    __syncthreads();
+    code_tile::store_transposed(tile, q_t + expert * size, rows, r0, c0, cols);
+    __syncthreads();  // the tile is rewritten by the next iteration
+  }
+  if (amax_expert >= 0) fp8cvt::block_atomic_max(m, amax_bits + amax_expert);
 }
 
 // The CPU reference's scalar expressions (T = float), evaluated the same way.
@@ -368,6 +459,57 @@ void adamw_step_multi(void* stream, std::vector<Tensor>& params, const std::vect
     using G = std::remove_pointer_t<decltype(tag)>;
     adamw_multi_kernel<G><<<static_cast<unsigned>(chunks), kThreads, 0, s>>>(
         table, count, c, norm, norm_f64, max_norm, step_scalars.defined() ? step_scalars.data<double>() : nullptr);
+  });
+  TESSERA_CUDA_CHECK_LAUNCH();
+}
+
+bool adamw_step_fp8_cast_supported(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                                   const Tensor& exp_avg_sq, const Tensor& value, const Tensor& grad_norm,
+                                   const Tensor& data) {
+  const int64_t experts = data.size(0), rows = data.size(1), cols = data.size(2);
+  const bool aligned = vec::aligned16(param.raw_data()) && vec::aligned16(grad.raw_data()) &&
+                       vec::aligned16(exp_avg.raw_data()) && vec::aligned16(exp_avg_sq.raw_data()) &&
+                       vec::aligned16(value.raw_data());
+  return param.dtype() == DType::F32 && (grad.dtype() == DType::F32 || grad.dtype() == DType::BF16) && aligned &&
+         (!grad_norm.defined() || grad_norm.dtype() == DType::F32 || grad_norm.dtype() == DType::F64) &&
+         experts > 0 && cols % kWidth == 0 && rows % 8 == 0;
+}
+
+void adamw_step_fp8_cast(void* stream, Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                         Tensor& value, const AdamWOptions& options, float weight_decay, const Tensor& grad_norm,
+                         double max_norm, const Tensor& scale, Tensor& amax, Tensor& data, Tensor& data_t) {
+  auto s = static_cast<cudaStream_t>(stream);
+  const int64_t experts = data.size(0), rows = data.size(1), cols = data.size(2);
+  if (rows == 0 || cols == 0) return;
+  AdamEntry e{};
+  e.param = param.data<float>();
+  e.grad = grad.raw_data();
+  e.exp_avg = exp_avg.data<float>();
+  e.exp_avg_sq = exp_avg_sq.data<float>();
+  e.value = value.data<bf16>();
+  e.numel = param.numel();
+  e.weight_decay = weight_decay;
+  e.aligned = 1;
+  const AdamScalars c = scalars_for(options);
+  const void* norm = max_norm > 0.0 ? grad_norm.raw_data() : nullptr;
+  const bool norm_f64 = grad_norm.defined() && grad_norm.dtype() == DType::F64;
+  const int64_t down = (rows + code_tile::kRows - 1) / code_tile::kRows;
+  const int64_t across = (cols + code_tile::kCols - 1) / code_tile::kCols;
+  const int64_t per_expert = down * across, tiles = per_expert * experts;
+  const int64_t wave = int64_t(multiprocessor_count(param.device().index)) * kCastBlocksPerSm;
+  const unsigned grid = unsigned(std::min(tiles, wave));
+  auto launch = [&](auto* grad_tag, auto e4m3_tag) {
+    using G = std::remove_pointer_t<decltype(grad_tag)>;
+    constexpr bool kE4M3 = decltype(e4m3_tag)::value;
+    adamw_cast_kernel<G, kE4M3><<<grid, kThreads, 0, s>>>(e, c, norm, norm_f64, max_norm, scale.data<float>(),
+                                                           amax.data<uint32_t>(), data.data<uint8_t>(),
+                                                           data_t.data<uint8_t>(), rows, cols, across, per_expert,
+                                                           tiles);
+  };
+  const bool e4m3 = data.dtype() == DType::E4M3;
+  vec::dispatch(grad.dtype(), "adamw_step_fp8_cast", [&](auto* tag) {
+    if (e4m3) launch(tag, std::true_type{});
+    else launch(tag, std::false_type{});
   });
   TESSERA_CUDA_CHECK_LAUNCH();
 }

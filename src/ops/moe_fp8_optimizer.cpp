@@ -1,0 +1,105 @@
+// moe_fp8_adamw_cast_weights (include/tessera/ops/moe.h): an expert weight's AdamW update
+// with its FP8 cast for the next step in the same pass (fp8.cast_in_optimizer). On CUDA one
+// kernel (backend/cuda/multi_tensor.cu, adamw_cast_kernel); elsewhere, and for shapes it does
+// not take, the composition it equals bit for bit: adamw_step_multi on the one tensor, then
+// each expert's amax and fp8::quantize_with_transpose of its new BF16 value.
+#include <cmath>
+#include <limits>
+
+#include "dispatch.h"
+#include "moe_checks.h"
+#include "tessera/ops/moe.h"
+#include "tessera/ops/quantize.h"
+#if TESSERA_WITH_CUDA
+#include "backend/cuda/moe_weight_cast.h"
+#include "backend/cuda/multi_tensor.h"
+#endif
+
+namespace tessera {
+
+using moe_detail::fold_amax_into;
+
+void moe_fp8_adamw_cast_weights(Context& ctx, Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                                Tensor& value, const AdamWOptions& options, float weight_decay,
+                                const Tensor& grad_norm, double max_norm, MoEFp8WeightCast& out) {
+  const char* op = "moe_fp8_adamw_cast_weights";
+  TESSERA_CHECK(out.data.defined() && out.data.dim() == 3 && out.data.is_contiguous() &&
+                    (out.data.dtype() == DType::E4M3 || out.data.dtype() == DType::E5M2),
+                op, ": data must be a contiguous E4M3 or E5M2 [E, N, K] tensor, got ", out.data.describe());
+  const int64_t experts = out.data.size(0), n = out.data.size(1), k = out.data.size(2);
+  TESSERA_CHECK(out.data_t.defined() && out.data_t.is_contiguous() && out.data_t.dtype() == out.data.dtype() &&
+                    (out.data_t.shape() == Shape{experts, k, n}),
+                op, ": data_t must be a contiguous ", dtype_name(out.data.dtype()), " [", experts, ", ", k, ", ", n,
+                "] tensor, got ", out.data_t.describe());
+  for (const Tensor* t : {&out.scale, &out.amax})
+    TESSERA_CHECK(t->defined() && t->is_contiguous() && t->dtype() == DType::F32 && (t->shape() == Shape{experts}), op,
+                  ": scale and amax must be contiguous F32 [", experts, "] tensors, got ", t->describe());
+  TESSERA_CHECK(param.defined() && param.numel() == experts * n * k && value.defined() && value.numel() == param.numel() &&
+                    value.dtype() == DType::BF16,
+                op, ": param (", param.describe(), ") and its BF16 value (", value.describe(), ") must hold ",
+                experts, " x ", n, " x ", k, " elements");
+  check_on_device(ctx, op, {&out.data, &out.data_t, &out.scale, &out.amax});
+  const DType fp8 = out.data.dtype();
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda()) {
+    check_on_device(ctx, op, {&param, &grad, &exp_avg, &exp_avg_sq, &value});
+    if (param.is_contiguous() && grad.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
+        value.is_contiguous() && grad.numel() == param.numel() && exp_avg.shape() == param.shape() &&
+        exp_avg_sq.shape() == param.shape() && exp_avg.dtype() == DType::F32 && exp_avg_sq.dtype() == DType::F32 &&
+        cuda::adamw_step_fp8_cast_supported(param, grad, exp_avg, exp_avg_sq, value, grad_norm, out.data)) {
+      // adamw_step_multi's checks of the options and the norm, on an empty list.
+      std::vector<Tensor> none;
+      adamw_step_multi(ctx, none, none, none, none, none, options, {}, grad_norm, max_norm);
+      cuda::adamw_step_fp8_cast(ctx.stream, param, grad, exp_avg, exp_avg_sq, value, options, weight_decay, grad_norm,
+                                max_norm, out.scale, out.amax, out.data, out.data_t);
+      return;
+    }
+  }
+#endif
+  std::vector<Tensor> params{param}, grads{grad}, avgs{exp_avg}, avg_sqs{exp_avg_sq}, values{value};
+  adamw_step_multi(ctx, params, grads, avgs, avg_sqs, values, options, {weight_decay}, grad_norm, max_norm);
+  const Tensor w = value.reshape({experts, n, k});
+  for (int64_t e = 0; e < experts; ++e) {
+    const Tensor we = w.select(0, e);
+    Tensor a = Tensor::empty({1}, DType::F32, ctx.device);
+    amax(ctx, we, a);
+    Tensor target = out.amax.slice(0, e, e + 1);
+    fold_amax_into(ctx, a, target);
+    const fp8::QuantizedTensor q = fp8::quantize_with_transpose(ctx, we, out.scale.slice(0, e, e + 1), fp8);
+    Tensor data = out.data.select(0, e), data_t = out.data_t.select(0, e);
+    data.copy_from(q.data);
+    data_t.copy_from(q.data_t);
+  }
+}
+
+MoEFp8Weights moe_fp8_weights_from_cast(Context& ctx, const MoEFp8WeightCast& cast, const MoEFp8Options& o) {
+  const char* op = "moe_fp8_weights_from_cast";
+  const int64_t experts = cast.data.size(0);
+  TESSERA_CHECK(o.delayed && o.delayed_base >= 0 && o.delayed_base + MoEFp8Options::delayed_slots(experts) <= o.delayed->size(),
+                op, ": needs the delayed-scaling state with the layer's ", MoEFp8Options::delayed_slots(experts), " slots");
+  const int64_t first = o.delayed_base + MoEFp8Options::kDelayedWeight;
+  MoEFp8Weights q;
+  q.experts.resize(static_cast<size_t>(experts));
+  q.scales.resize(static_cast<size_t>(experts));
+  // The GEMMs' inverse scales, 16 bytes apart (cuBLASLt's scale alignment).
+  Tensor scale_inv = Tensor::empty({4 * experts}, DType::F32, ctx.device);
+  const Tensor from = o.delayed->scale_invs().slice(0, first, first + experts);
+  std::vector<int64_t> all(static_cast<size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) all[static_cast<size_t>(e)] = e;
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda()) cuda::moe_weight_gather_scales(ctx.stream, from, all, scale_inv);
+#endif
+  if (!ctx.device.is_cuda())
+    for (int64_t e = 0; e < experts; ++e) scale_inv.data<float>()[4 * e] = from.data<float>()[e];
+  for (int64_t e = 0; e < experts; ++e) {
+    fp8::QuantizedTensor& t = q.experts[static_cast<size_t>(e)];
+    t.dtype = cast.data.dtype();
+    t.data = cast.data.select(0, e);
+    t.data_t = cast.data_t.select(0, e);
+    t.scale_inv = scale_inv.slice(0, 4 * e, 4 * e + 1);
+    q.scales[static_cast<size_t>(e)] = o.delayed->scale(first + e);
+  }
+  return q;
+}
+
+}  // namespace tessera

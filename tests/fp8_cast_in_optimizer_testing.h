@@ -1,0 +1,189 @@
+// The checks of fp8.cast_in_optimizer (include/tessera/ops/moe.h, moe_fp8_adamw_cast_weights;
+// nn::GroupedLinear::optimizer_update) that run on either device
+// (test_fp8_cast_in_optimizer on the CPU, test_gpu_fp8_cast_in_optimizer on the GPU): the
+// fused update gives adamw_step_multi's bits and the codes moe_fp8_quantize_weights makes of
+// the new value, and a Mixtral trained with the casts in the optimizer gives the bits of the
+// one that casts in its forward, while the primed casts really serve the forwards.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/fp8/device_scaling.h"
+#include "tessera/models/fp8_model.h"
+#include "tessera/nn/moe.h"
+#include "tessera/ops/moe.h"
+#include "tessera/ops/optimizer.h"
+#include "tessera/train/optimizer.h"
+#include "model_testing.h"
+#include "testing.h"
+
+namespace tessera::testing {
+
+// same_bits of tensors on any device.
+inline bool same_bits_on_host(const Tensor& a, const Tensor& b) {
+  return same_bits(a.defined() ? a.to(Device::cpu()) : a, b.defined() ? b.to(Device::cpu()) : b);
+}
+
+// One weight of E experts [N, K] with its FP32 master, moments, gradient (BF16 or F32) and
+// BF16 value, random, on ctx's device: the same numbers on every call with the same seed.
+struct ExpertWeightState {
+  Tensor param, grad, exp_avg, exp_avg_sq, value;
+};
+
+inline ExpertWeightState random_expert_weight(Context& ctx, int64_t e, int64_t n, int64_t k, DType grad_dtype,
+                                              uint64_t seed) {
+  ExpertWeightState s;
+  s.param = random_tensor({e * n, k}, DType::F32, seed, -0.5f, 0.5f).to(ctx.device);
+  s.grad = random_tensor({e * n, k}, grad_dtype, seed + 1, -2.0f, 2.0f).to(ctx.device);
+  s.exp_avg = random_tensor({e * n, k}, DType::F32, seed + 2, -0.1f, 0.1f).to(ctx.device);
+  s.exp_avg_sq = random_tensor({e * n, k}, DType::F32, seed + 3, 0.0f, 0.1f).to(ctx.device);
+  s.value = Tensor::empty({e * n, k}, DType::BF16, ctx.device);
+  return s;
+}
+
+// moe_fp8_adamw_cast_weights against its definition on the same device: adamw_step_multi on
+// the one tensor, then moe_fp8_quantize_weights of every expert's new value with a delayed
+// state holding the same scales and pending amaxes. Partial 64 x 128 tiles (N = 72, K = 136),
+// clipping on, both gradient dtypes and both FP8 formats; every output to the bit.
+inline void expect_fused_update_matches_definition(Context& ctx) {
+  const int64_t experts = 3, n = 72, k = 136;
+  for (DType grad_dtype : {DType::F32, DType::BF16})
+    for (fp8::Format format : {fp8::Format::Hybrid, fp8::Format::E4M3})
+      for (double max_norm : {0.0, 1.0}) {
+        SCOPED_TRACE(std::string(dtype_name(grad_dtype)) + (format == fp8::Format::E4M3 ? " e4m3" : " hybrid") +
+                     " max_norm " + std::to_string(max_norm));
+        // The delayed state of one GroupedLinear: scales and pending amaxes made non-trivial.
+        fp8::DelayedScalingConfig dc;
+        dc.format = format;
+        auto state = std::make_shared<fp8::DeviceDelayedScaling>(ctx, dc, MoEFp8Options::delayed_roles(experts));
+        const int64_t first = MoEFp8Options::kDelayedWeight;
+        state->scales().slice(0, first, first + experts).copy_from(Tensor::from_floats({40.0f, 300.0f, 0.5f}, {3}));
+        state->scale_invs().slice(0, first, first + experts)  // as the state's update keeps them: 1 / scale
+            .copy_from(Tensor::from_floats({1.0f / 40.0f, 1.0f / 300.0f, 1.0f / 0.5f}, {3}));
+        state->pending_amaxes().slice(0, first, first + experts).copy_from(Tensor::from_floats({0.0f, 0.7f, 0.01f}, {3}));
+        MoEFp8Options o;
+        o.format = format;
+        o.delayed = state;
+        const DType fp8 = o.forward_dtype();
+        AdamWOptions adam;
+        adam.lr = 1e-2f;
+        adam.step = 3;
+        Tensor norm = Tensor::from_floats({2.5f}, {1}).to(ctx.device);
+
+        // The definition.
+        ExpertWeightState a = random_expert_weight(ctx, experts, n, k, grad_dtype, 11);
+        const Tensor pending_before = state->pending_amaxes().to(Device::cpu());
+        AdamWTensorStep step{a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.value, adam, 0.1f, norm, max_norm};
+        adamw_step_one(ctx, step);
+        const MoEFp8Weights want = moe_fp8_quantize_weights(ctx, a.value.reshape({experts, n, k}),
+                                                            std::vector<int64_t>(experts, 1), [&] {
+                                                              MoEFp8Options all = o;
+                                                              all.keep_weight_transpose = true;
+                                                              return all;
+                                                            }());
+        const Tensor pending_want = state->pending_amaxes().to(Device::cpu());
+
+        // The fused update, from the same starting point.
+        Tensor pending = state->pending_amaxes();
+        pending.copy_from(pending_before.to(ctx.device));
+        ExpertWeightState b = random_expert_weight(ctx, experts, n, k, grad_dtype, 11);
+        MoEFp8WeightCast cast;
+        cast.scale = state->scales().slice(0, first, first + experts);
+        cast.amax = state->pending_amaxes().slice(0, first, first + experts);
+        cast.data = Tensor::empty({experts, n, k}, fp8, ctx.device);
+        cast.data_t = Tensor::empty({experts, k, n}, fp8, ctx.device);
+        moe_fp8_adamw_cast_weights(ctx, b.param, b.grad, b.exp_avg, b.exp_avg_sq, b.value, adam, 0.1f, norm, max_norm,
+                                   cast);
+        EXPECT_TRUE(same_bits_on_host(a.param, b.param));
+        EXPECT_TRUE(same_bits_on_host(a.exp_avg, b.exp_avg));
+        EXPECT_TRUE(same_bits_on_host(a.exp_avg_sq, b.exp_avg_sq));
+        EXPECT_TRUE(same_bits_on_host(a.value, b.value));
+        EXPECT_TRUE(same_bits_on_host(pending_want, state->pending_amaxes()));
+        for (int64_t e = 0; e < experts; ++e) {
+          EXPECT_TRUE(same_bits_on_host(want.experts[e].data, cast.data.select(0, e))) << "expert " << e;
+          EXPECT_TRUE(same_bits_on_host(want.experts[e].data_t, cast.data_t.select(0, e))) << "expert " << e;
+        }
+        // The casts as the GEMMs take them: the state's inverse scales.
+        const MoEFp8Weights primed = moe_fp8_weights_from_cast(ctx, cast, o);
+        for (int64_t e = 0; e < experts; ++e)
+          EXPECT_TRUE(same_bits_on_host(primed.experts[e].scale_inv, want.experts[e].scale_inv)) << "expert " << e;
+        // The update moved the weights (a test that can fail).
+        EXPECT_FALSE(same_bits_on_host(b.param, random_expert_weight(ctx, experts, n, k, grad_dtype, 11).param));
+      }
+}
+
+// Three optimizer steps of `micro` micro-batches of a tiny Mixtral under delayed scaling, as
+// the trainer runs them (end_step before the optimizer), with the experts' casts made by the
+// optimizer or by the forwards; the losses, every parameter and the FP8 state at the end.
+struct CastRun {
+  std::vector<double> losses;
+  std::vector<Tensor> finals;
+  int64_t hits = 0;
+};
+
+inline CastRun train_mixtral_casting(Context& ctx, int micro, bool cast_in_optimizer) {
+  const models::ModelConfig config = tiny_mixtral_config();
+  models::TransformerLM model(config, DType::BF16);
+  if (ctx.device.is_cuda()) model.to(ctx.device);
+  model.init(ctx, 7);
+  const fp8::Recipe recipe = fp8::Recipe::from_json({{"recipe", "delayed"}, {"cast_in_optimizer", cast_in_optimizer}});
+  const auto scaling = models::enable_fp8(ctx, model, recipe);
+  train::OptimizerConfig oc;
+  oc.lr = 1e-2;
+  oc.grad_clip = 0.5;  // clipping on: the fused update reads the norm too
+  train::Optimizer optimizer(model.parameters(), oc);
+  if (cast_in_optimizer)
+    for (auto& layer : model.layers)
+      for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj})
+        optimizer.set_custom_update(linear->weight,
+                                    [linear](Context& x, AdamWTensorStep& s) { linear->optimizer_update(x, s); });
+  CastRun run;
+  for (int step = 0; step < 3; ++step) {
+    model.zero_grad();
+    scaling->begin_step(micro);
+    for (int m = 0; m < micro; ++m) {
+      const uint64_t seed = 100 + 10 * static_cast<uint64_t>(step) + static_cast<uint64_t>(m);
+      const Tensor inputs = random_ids({2, 16}, config.vocab_size, seed).to(ctx.device);
+      const Tensor targets = random_ids({2, 16}, config.vocab_size, seed + 1000).to(ctx.device);
+      run.losses.push_back(model.forward_backward(ctx, inputs, targets, 1.0f / static_cast<float>(micro)));
+      scaling->end_micro_batch(ctx);
+    }
+    scaling->end_step(ctx);
+    optimizer.step(ctx, oc.lr);
+  }
+  for (const Tensor& t : parameter_state(model)) run.finals.push_back(t.defined() ? t.to(Device::cpu()) : t);
+  for (const auto& [name, t] : scaling->state_dict()) run.finals.push_back(t.to(Device::cpu()));
+  run.hits = scaling->weight_cache()->hits();
+  return run;
+}
+
+// With several micro-batches the forwards cast every expert once a step anyway (the weight
+// cache): the casts in the optimizer give the same bits, and serve steps 2 and 3 (2 weights a
+// layer, each micro-batch) where the plain run casts in their first micro-batch.
+inline void expect_cast_in_optimizer_changes_no_bit(Context& ctx) {
+  const int layers = static_cast<int>(tiny_mixtral_config().num_layers);
+  const CastRun fused = train_mixtral_casting(ctx, 3, true);
+  const CastRun plain = train_mixtral_casting(ctx, 3, false);
+  expect_identical_runs({fused.losses, plain.losses}, {fused.finals, plain.finals});
+  // Per step the plain run hits its cache in micro-batches 2 and 3 for 4 weights a layer;
+  // the fused run also in micro-batch 1 of steps 2 and 3 for its 2 expert weights a layer.
+  EXPECT_EQ(plain.hits, 3 * 2 * 4 * layers);
+  EXPECT_EQ(fused.hits, plain.hits + 2 * 2 * layers);
+}
+
+// One micro-batch a step: the primed casts serve the one forward (the plain run casts there,
+// the experts with tokens only). The same losses and weights; the amax history may differ
+// only where an expert got no token (the optimizer records every expert's amax), which these
+// batches never leave.
+inline void expect_cast_in_optimizer_serves_single_micro_batch(Context& ctx) {
+  const int layers = static_cast<int>(tiny_mixtral_config().num_layers);
+  const CastRun fused = train_mixtral_casting(ctx, 1, true);
+  const CastRun plain = train_mixtral_casting(ctx, 1, false);
+  expect_identical_runs({fused.losses, plain.losses}, {fused.finals, plain.finals});
+  EXPECT_EQ(plain.hits, 0);
+  EXPECT_EQ(fused.hits, 2 * 2 * layers);
+}
+
+}  // namespace tessera::testing
