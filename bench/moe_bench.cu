@@ -77,6 +77,7 @@
 #include "tessera/fp8/device_scaling.h"
 #include "tessera/fp8/weight_cache.h"
 #include "tessera/nn/moe.h"
+#include "tessera/ops/elementwise.h"
 #include "tessera/ops/gemm.h"
 #include "tessera/ops/moe.h"
 #include "tessera/ops/optimizer.h"
@@ -124,6 +125,7 @@ Tensor loop_forward(Context& ctx, const nn::GroupedMLP& mlp, const Tensor& x, co
 // learning rate 0: the update leaves the weights as they are, so every row sees the same ones.
 AdamWTensorStep optimizer_step_of(Context& ctx, nn::Parameter& p) {
   p.materialize_grad(ctx);
+  cast(ctx, p.value, p.master);  // the FP32 master of the filled BF16 weights (the update rewrites value from it)
   AdamWTensorStep s;
   s.param = p.weights();
   s.grad = p.grad;

@@ -45,7 +45,9 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -260,11 +262,13 @@ __global__ void __launch_bounds__(kThreads)
 // t / per_expert, row-major over the expert's [rows = N, cols = K]; each thread takes four
 // 8-element pieces of it (16 to a tile row), updates them, then casts their BF16 values
 // into the row-wise codes and the shared tile that the transposed store reads.
-constexpr int kCastBlocksPerSm = 3;
+// Blocks a SM (the launch bound): 4 fit 64 registers a thread (a few spilled), 3 fit 85.
+// TESSERA_ADAMW_CAST_BLOCKS=3 picks the latter, for timing the two side by side.
+constexpr int kCastBlocksPerSm = 4;
 constexpr int kCastPieces = code_tile::kRows * code_tile::kCols / kWidth / kThreads;  // 4
 
-template <typename G, bool kE4M3>
-__global__ void __launch_bounds__(kThreads, kCastBlocksPerSm)
+template <typename G, bool kE4M3, int kBlocksPerSm>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     adamw_cast_kernel(AdamEntry e, AdamScalars c, const void* norm, bool norm_f64, double max_norm,
                       const float* scale, uint32_t* amax_bits, uint8_t* q, uint8_t* q_t, int64_t rows, int64_t cols,
                       int64_t tiles_across, int64_t per_expert, int64_t tiles) {
@@ -496,15 +500,19 @@ void adamw_step_fp8_cast(void* stream, Tensor& param, const Tensor& grad, Tensor
   const int64_t down = (rows + code_tile::kRows - 1) / code_tile::kRows;
   const int64_t across = (cols + code_tile::kCols - 1) / code_tile::kCols;
   const int64_t per_expert = down * across, tiles = per_expert * experts;
-  const int64_t wave = int64_t(multiprocessor_count(param.device().index)) * kCastBlocksPerSm;
+  static const bool three = [] {
+    const char* v = std::getenv("TESSERA_ADAMW_CAST_BLOCKS");
+    return v != nullptr && std::string(v) == "3";
+  }();
+  const int64_t wave = int64_t(multiprocessor_count(param.device().index)) * (three ? 3 : kCastBlocksPerSm);
   const unsigned grid = unsigned(std::min(tiles, wave));
   auto launch = [&](auto* grad_tag, auto e4m3_tag) {
     using G = std::remove_pointer_t<decltype(grad_tag)>;
     constexpr bool kE4M3 = decltype(e4m3_tag)::value;
-    adamw_cast_kernel<G, kE4M3><<<grid, kThreads, 0, s>>>(e, c, norm, norm_f64, max_norm, scale.data<float>(),
-                                                           amax.data<uint32_t>(), data.data<uint8_t>(),
-                                                           data_t.data<uint8_t>(), rows, cols, across, per_expert,
-                                                           tiles);
+    auto kernel = three ? adamw_cast_kernel<G, kE4M3, 3> : adamw_cast_kernel<G, kE4M3, kCastBlocksPerSm>;
+    kernel<<<grid, kThreads, 0, s>>>(e, c, norm, norm_f64, max_norm, scale.data<float>(), amax.data<uint32_t>(),
+                                     data.data<uint8_t>(), data_t.data<uint8_t>(), rows, cols, across, per_expert,
+                                     tiles);
   };
   const bool e4m3 = data.dtype() == DType::E4M3;
   vec::dispatch(grad.dtype(), "adamw_step_fp8_cast", [&](auto* tag) {
