@@ -93,8 +93,9 @@ struct Recipe {
   // `cast_in_optimizer` (delayed recipe only; default false): the optimizer's update of each
   // MoE expert weight also writes its FP8 codes (both orientations) for the next step, in the
   // same pass (Transformer Engine's FP8 primary weights, without dropping the BF16 copy), so
-  // the forward and backward cast no expert weight. Saves the cast's read of the BF16 weight
-  // per step; 2 bytes per expert parameter held from the update to the next backward
+  // the forward and backward cast no expert weight (the update then costs about what the
+  // update and the cast cost apart); 2 bytes per expert parameter held from the update to the
+  // next backward
   // (docs/ops/moe.md, "Casts in the optimizer"). Needs the plain optimizer (not
   // training.zero1).
   bool cast_in_optimizer = false;

@@ -269,8 +269,9 @@ MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std:
 // The weights, moments and value get adamw_step_multi's bits; the codes are
 // fp8::quantize_with_transpose's of the stored value with scale[e] (so
 // moe_fp8_quantize_weights' under delayed scaling, read from the value). On CUDA one kernel
-// (16-byte aligned tensors, K % 8 == 0, N % 8 == 0), which saves the cast's own read of the
-// value (2 of its 4 bytes an element); elsewhere the composition. scale and amax: F32 [E]
+// (16-byte aligned tensors, K % 8 == 0, N % 8 == 0; it skips the cast's re-read of the value
+// but measured no faster than the update plus the cast: backend/cuda/multi_tensor.cu);
+// elsewhere the composition. scale and amax: F32 [E]
 // (the delayed state's weight slots of the layer); data, data_t: E4M3 or E5M2, overwritten.
 struct MoEFp8WeightCast {
   Tensor scale, amax, data, data_t;

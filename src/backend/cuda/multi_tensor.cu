@@ -37,17 +37,18 @@
 // pass its new BF16 value cast to FP8 with each expert's delayed scale, row-wise and
 // transposed, the expert's amax folded in: what GroupedLinear's forward would otherwise cast
 // from the BF16 value in the next step. Tiles of 64 x 128 (code_tile.cuh) over a persistent
-// grid. Floor: 30 B + 2 B of codes per element; Mixtral's fc weight [8, 28672, 4096]
-// (0.94G elements) -> 30.1 GB / 4.1 TB/s = 7.3 ms, against 28 + 2 B for the update and
-// 2 + 2 B for the separate cast (the cast's 2-byte reread of the value is what it saves).
+// grid. Floor: 30 B + 2 B of codes per element, against 30 B for the update and 4 B for the
+// separate cast (the cast's 2-byte reread of the value is what fusing could save). Measured
+// (H200, 2026-12-03, bench_moe castopt, Mixtral's fc + proj weights, 1.41G elements, 45.1 GB):
+// 12.93 ms, 3.5 TB/s, against 11.07 ms for adamw_multi_kernel plus 1.76 ms for the separate
+// cast in the same run: no faster than the two (the tile's barrier and the transposed 64-byte
+// stores hold it below the streaming update's 3.8 TB/s).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -262,13 +263,13 @@ __global__ void __launch_bounds__(kThreads)
 // t / per_expert, row-major over the expert's [rows = N, cols = K]; each thread takes four
 // 8-element pieces of it (16 to a tile row), updates them, then casts their BF16 values
 // into the row-wise codes and the shared tile that the transposed store reads.
-// Blocks a SM (the launch bound): 4 fit 64 registers a thread (a few spilled), 3 fit 85.
-// TESSERA_ADAMW_CAST_BLOCKS=3 picks the latter, for timing the two side by side.
-constexpr int kCastBlocksPerSm = 4;
+// Blocks a SM (the launch bound): 3 (78 registers). 4 (64 registers, 44 bytes spilled) ran
+// slower on the H200: 13.35 against 12.93 ms for Mixtral's two expert weights.
+constexpr int kCastBlocksPerSm = 3;
 constexpr int kCastPieces = code_tile::kRows * code_tile::kCols / kWidth / kThreads;  // 4
 
-template <typename G, bool kE4M3, int kBlocksPerSm>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+template <typename G, bool kE4M3>
+__global__ void __launch_bounds__(kThreads, kCastBlocksPerSm)
     adamw_cast_kernel(AdamEntry e, AdamScalars c, const void* norm, bool norm_f64, double max_norm,
                       const float* scale, uint32_t* amax_bits, uint8_t* q, uint8_t* q_t, int64_t rows, int64_t cols,
                       int64_t tiles_across, int64_t per_expert, int64_t tiles) {
@@ -500,17 +501,12 @@ void adamw_step_fp8_cast(void* stream, Tensor& param, const Tensor& grad, Tensor
   const int64_t down = (rows + code_tile::kRows - 1) / code_tile::kRows;
   const int64_t across = (cols + code_tile::kCols - 1) / code_tile::kCols;
   const int64_t per_expert = down * across, tiles = per_expert * experts;
-  static const bool three = [] {
-    const char* v = std::getenv("TESSERA_ADAMW_CAST_BLOCKS");
-    return v != nullptr && std::string(v) == "3";
-  }();
-  const int64_t wave = int64_t(multiprocessor_count(param.device().index)) * (three ? 3 : kCastBlocksPerSm);
+  const int64_t wave = int64_t(multiprocessor_count(param.device().index)) * kCastBlocksPerSm;
   const unsigned grid = unsigned(std::min(tiles, wave));
   auto launch = [&](auto* grad_tag, auto e4m3_tag) {
     using G = std::remove_pointer_t<decltype(grad_tag)>;
     constexpr bool kE4M3 = decltype(e4m3_tag)::value;
-    auto kernel = three ? adamw_cast_kernel<G, kE4M3, 3> : adamw_cast_kernel<G, kE4M3, kCastBlocksPerSm>;
-    kernel<<<grid, kThreads, 0, s>>>(e, c, norm, norm_f64, max_norm, scale.data<float>(), amax.data<uint32_t>(),
+    adamw_cast_kernel<G, kE4M3><<<grid, kThreads, 0, s>>>(e, c, norm, norm_f64, max_norm, scale.data<float>(), amax.data<uint32_t>(),
                                      data.data<uint8_t>(), data_t.data<uint8_t>(), rows, cols, across, per_expert,
                                      tiles);
   };
