@@ -270,7 +270,7 @@ MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std:
 // fp8::quantize_with_transpose's of the stored value with scale[e] (so
 // moe_fp8_quantize_weights' under delayed scaling, read from the value). On CUDA one kernel
 // (16-byte aligned tensors, K % 8 == 0, N % 8 == 0; it skips the cast's re-read of the value
-// but measured no faster than the update plus the cast: backend/cuda/multi_tensor.cu);
+// but measured only 1% faster than the update plus the cast: backend/cuda/multi_tensor.cu);
 // elsewhere the composition. scale and amax: F32 [E]
 // (the delayed state's weight slots of the layer); data, data_t: E4M3 or E5M2, overwritten.
 struct MoEFp8WeightCast {

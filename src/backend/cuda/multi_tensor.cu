@@ -40,9 +40,9 @@
 // grid. Floor: 30 B + 2 B of codes per element, against 30 B for the update and 4 B for the
 // separate cast (the cast's 2-byte reread of the value is what fusing could save). Measured
 // (H200, 2026-12-03, bench_moe castopt, Mixtral's fc + proj weights, 1.41G elements, 45.1 GB):
-// 12.93 ms, 3.5 TB/s, against 11.07 ms for adamw_multi_kernel plus 1.76 ms for the separate
-// cast in the same run: no faster than the two (the tile's barrier and the transposed 64-byte
-// stores hold it below the streaming update's 3.8 TB/s).
+// 12.66 ms, 3.6 TB/s, against 11.02 ms for adamw_multi_kernel plus 1.75 ms for the separate
+// cast in the same run: 1% faster than the two (the tile's barrier and the transposed 64-byte
+// stores hold it below the streaming update's 3.8 TB/s; its floor is 11.0 ms).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -261,20 +261,24 @@ __global__ void __launch_bounds__(kThreads)
 
 // adamw_step_fp8_cast's kernel. Tile t of the grid's loop is tile t % per_expert of expert
 // t / per_expert, row-major over the expert's [rows = N, cols = K]; each thread takes four
-// 8-element pieces of it (16 to a tile row), updates them, then casts their BF16 values
-// into the row-wise codes and the shared tile that the transposed store reads.
-// Blocks a SM (the launch bound): 3 (78 registers). 4 (64 registers, 44 bytes spilled) ran
-// slower on the H200: 13.35 against 12.93 ms for Mixtral's two expert weights.
-constexpr int kCastBlocksPerSm = 3;
+// 8-element pieces of it (16 to a tile row), kInFlight at a time: their loads all issued
+// before the first is used, so that more bytes are in flight than one piece's 128 per thread.
+// It updates them, then casts their BF16 values into the row-wise codes and the shared tile
+// that the transposed store reads. Two shared tiles, alternating, so one barrier a tile.
+// Two pieces in flight take 128 registers (2 blocks a SM); measured on the H200 (Mixtral's two
+// expert weights): 12.66-12.68 ms, against 12.79-12.93 for one piece at 3 blocks a SM and
+// 13.35 for one piece at 4 (64 registers, spilling).
 constexpr int kCastPieces = code_tile::kRows * code_tile::kCols / kWidth / kThreads;  // 4
+constexpr int kInFlight = 2, kCastBlocksPerSm = 2;
 
 template <typename G, bool kE4M3>
 __global__ void __launch_bounds__(kThreads, kCastBlocksPerSm)
     adamw_cast_kernel(AdamEntry e, AdamScalars c, const void* norm, bool norm_f64, double max_norm,
                       const float* scale, uint32_t* amax_bits, uint8_t* q, uint8_t* q_t, int64_t rows, int64_t cols,
                       int64_t tiles_across, int64_t per_expert, int64_t tiles) {
+  static_assert(kCastPieces % kInFlight == 0, "whole groups of pieces");
   constexpr int kPiecesPerRow = code_tile::kCols / kWidth;
-  __shared__ uint32_t tile[code_tile::kRows][code_tile::kWords];
+  __shared__ uint32_t tile[2][code_tile::kRows][code_tile::kWords];
   const double clip = clip_factor(norm, norm_f64, max_norm);
   const bool scaled = clip != 1.0;
   const float clip_f = __double2float_rn(clip);
@@ -283,7 +287,8 @@ __global__ void __launch_bounds__(kThreads, kCastBlocksPerSm)
   const int64_t size = rows * cols;
   uint32_t m = 0;  // the amax of the expert this block is on, flushed when it changes
   int64_t amax_expert = -1;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+  int buffer = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x, buffer ^= 1) {
     const int64_t expert = t / per_expert, local = t % per_expert;
     if (expert != amax_expert) {  // block-uniform
       if (amax_expert >= 0) fp8cvt::block_atomic_max(m, amax_bits + amax_expert);
@@ -293,37 +298,49 @@ __global__ void __launch_bounds__(kThreads, kCastBlocksPerSm)
     const int64_t r0 = (local / tiles_across) * code_tile::kRows, c0 = (local % tiles_across) * code_tile::kCols;
     const float s = scale[expert];
 #pragma unroll
-    for (int k = 0; k < kCastPieces; ++k) {
-      const int id = int(threadIdx.x) + k * kThreads, row = id / kPiecesPerRow, piece = id % kPiecesPerRow;
-      const int64_t r = r0 + row, col = c0 + int64_t(piece) * kWidth;
-      if (r >= rows || col >= cols) continue;
-      const int64_t j = expert * size + r * cols + col;
-      float p[kWidth], mo[kWidth], v[kWidth], g[kWidth];
-      vec::load8(e.param + j, p);
-      vec::load8(e.exp_avg + j, mo);
-      vec::load8(e.exp_avg_sq + j, v);
-      vec::load8(grad + j, g);
+    for (int k0 = 0; k0 < kCastPieces; k0 += kInFlight) {
+      float p[kInFlight][kWidth], mo[kInFlight][kWidth], v[kInFlight][kWidth], g[kInFlight][kWidth];
+      int64_t at[kInFlight];
 #pragma unroll
-      for (int i = 0; i < kWidth; ++i) adamw_element(p[i], mo[i], v[i], scaled ? __fmul_rn(clip_f, g[i]) : g[i], c, decay);
-      vec::store8(e.param + j, p);
-      vec::store8(e.exp_avg + j, mo);
-      vec::store8(e.exp_avg_sq + j, v);
-      vec::store8(e.value + j, p);
-      // The codes of the value just stored: what the forward's cast would read.
-#pragma unroll
-      for (int i = 0; i < kWidth; ++i) {
-        p[i] = vec::round_bf16(p[i]);
-        m = max(m, fp8cvt::abs_bits(p[i]));
+      for (int u = 0; u < kInFlight; ++u) {
+        const int id = int(threadIdx.x) + (k0 + u) * kThreads, row = id / kPiecesPerRow, piece = id % kPiecesPerRow;
+        const int64_t r = r0 + row, col = c0 + int64_t(piece) * kWidth;
+        at[u] = r < rows && col < cols ? expert * size + r * cols + col : -1;
+        if (at[u] < 0) continue;
+        vec::load8(e.param + at[u], p[u]);
+        vec::load8(e.exp_avg + at[u], mo[u]);
+        vec::load8(e.exp_avg_sq + at[u], v[u]);
+        vec::load8(grad + at[u], g[u]);
       }
-      uint32_t words[2];
-      fp8cvt::quantize_words<kE4M3, kWidth>(p, s, words);
-      *reinterpret_cast<uint2*>(q + j) = make_uint2(words[0], words[1]);
-      tile[row][code_tile::swizzle(row, 2 * piece)] = words[0];
-      tile[row][code_tile::swizzle(row, 2 * piece + 1)] = words[1];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        if (at[u] < 0) continue;
+        const int id = int(threadIdx.x) + (k0 + u) * kThreads, row = id / kPiecesPerRow, piece = id % kPiecesPerRow;
+        const int64_t j = at[u];
+#pragma unroll
+        for (int i = 0; i < kWidth; ++i)
+          adamw_element(p[u][i], mo[u][i], v[u][i], scaled ? __fmul_rn(clip_f, g[u][i]) : g[u][i], c, decay);
+        vec::store8(e.param + j, p[u]);
+        vec::store8(e.exp_avg + j, mo[u]);
+        vec::store8(e.exp_avg_sq + j, v[u]);
+        vec::store8(e.value + j, p[u]);
+        // The codes of the value just stored: what the forward's cast would read.
+#pragma unroll
+        for (int i = 0; i < kWidth; ++i) {
+          p[u][i] = vec::round_bf16(p[u][i]);
+          m = max(m, fp8cvt::abs_bits(p[u][i]));
+        }
+        uint32_t words[2];
+        fp8cvt::quantize_words<kE4M3, kWidth>(p[u], s, words);
+        *reinterpret_cast<uint2*>(q + j) = make_uint2(words[0], words[1]);
+        tile[buffer][row][code_tile::swizzle(row, 2 * piece)] = words[0];
+        tile[buffer][row][code_tile::swizzle(row, 2 * piece + 1)] = words[1];
+      }
     }
+    // The one barrier a tile: this tile is complete, and every thread has finished reading the
+    // other buffer (its previous tile's transposed store came before this barrier).
     __syncthreads();
-    code_tile::store_transposed(tile, q_t + expert * size, rows, r0, c0, cols);
-    __syncthreads();  // the tile is rewritten by the next iteration
+    code_tile::store_transposed(tile[buffer], q_t + expert * size, rows, r0, c0, cols);
   }
   if (amax_expert >= 0) fp8cvt::block_atomic_max(m, amax_bits + amax_expert);
 }
