@@ -115,4 +115,11 @@ inline void fold_amax_into(Context& ctx, const Tensor& a, Tensor& target) {
   t = (std::isnan(v) || std::isnan(t)) ? std::numeric_limits<float>::quiet_NaN() : std::max(t, v);
 }
 
+// Under delayed scaling: q's entries for the listed experts (q sized for all of them) as
+// views of the codes data [A, N, K] and data_t [A, K, N] (undefined: none), slot i for
+// experts[i], with the state's scales and a copy of its inverse scales made now, 16 bytes
+// apart (cuBLASLt's scale alignment). ops/moe_fp8.cpp.
+void set_delayed_weight_codes(Context& ctx, const Tensor& data, const Tensor& data_t,
+                              const std::vector<int64_t>& experts, const MoEFp8Options& o, MoEFp8Weights& q);
+
 }  // namespace tessera::moe_detail

@@ -207,6 +207,30 @@ MoEFp8Rows moe_fp8_cast_rows_for(Context& ctx, const Tensor& x, const std::vecto
                           : moe_fp8_quantize_rows(ctx, x, splits, fp8, o);
 }
 
+void moe_detail::set_delayed_weight_codes(Context& ctx, const Tensor& data, const Tensor& data_t,
+                                          const std::vector<int64_t>& experts, const MoEFp8Options& o,
+                                          MoEFp8Weights& q) {
+  const int64_t first = o.delayed_base + MoEFp8Options::kDelayedWeight, e_count = static_cast<int64_t>(q.experts.size());
+  const int64_t a = static_cast<int64_t>(experts.size());
+  // The GEMMs' inverse scales, copied where cuBLASLt takes them (16-byte aligned).
+  Tensor scale_inv = Tensor::empty({4 * a}, DType::F32, ctx.device);
+  const Tensor from = o.delayed->scale_invs().slice(0, first, first + e_count);
+#if TESSERA_WITH_CUDA
+  if (ctx.device.is_cuda()) cuda::moe_weight_gather_scales(ctx.stream, from, experts, scale_inv);
+#endif
+  if (!ctx.device.is_cuda())
+    for (int64_t i = 0; i < a; ++i) scale_inv.data<float>()[4 * i] = from.data<float>()[experts[static_cast<size_t>(i)]];
+  for (int64_t i = 0; i < a; ++i) {
+    const int64_t e = experts[static_cast<size_t>(i)];
+    fp8::QuantizedTensor& t = q.experts[static_cast<size_t>(e)];
+    t.dtype = data.dtype();
+    t.data = data.select(0, i);
+    if (data_t.defined()) t.data_t = data_t.select(0, i);
+    t.scale_inv = scale_inv.slice(0, 4 * i, 4 * i + 1);
+    q.scales[static_cast<size_t>(e)] = o.delayed->scale(first + e);
+  }
+}
+
 namespace {
 
 std::atomic<bool>& legacy_weight_cast_flag() {
@@ -232,19 +256,7 @@ void quantize_weights_one_launch(Context& ctx, const Tensor& w, const std::vecto
     Tensor data = Tensor::empty({a, n, k}, fp8, ctx.device);
     Tensor data_t = o.keep_weight_transpose ? Tensor::empty({a, k, n}, fp8, ctx.device) : Tensor();
     cuda::moe_weight_cast(ctx.stream, w, scales, experts, data, data_t, /*by_expert=*/true, &pending);
-    // The GEMMs' inverse scales, copied where cuBLASLt takes them (16-byte aligned).
-    Tensor scale_inv = Tensor::empty({4 * a}, DType::F32, ctx.device);
-    cuda::moe_weight_gather_scales(ctx.stream, o.delayed->scale_invs().slice(0, first, first + e_count), experts,
-                                   scale_inv);
-    for (int64_t i = 0; i < a; ++i) {
-      const int64_t e = experts[static_cast<size_t>(i)];
-      fp8::QuantizedTensor& t = q.experts[static_cast<size_t>(e)];
-      t.dtype = fp8;
-      t.data = data.select(0, i);
-      if (data_t.defined()) t.data_t = data_t.select(0, i);
-      t.scale_inv = scale_inv.slice(0, 4 * i, 4 * i + 1);
-      q.scales[static_cast<size_t>(e)] = o.delayed->scale(first + e);
-    }
+    set_delayed_weight_codes(ctx, data, data_t, experts, o, q);
     return;
   }
   Tensor amax_t = Tensor::empty({a}, DType::F32, ctx.device);

@@ -8,10 +8,10 @@
 
 #include "dispatch.h"
 #include "moe_checks.h"
+#include "optimizer_checks.h"
 #include "tessera/ops/moe.h"
 #include "tessera/ops/quantize.h"
 #if TESSERA_WITH_CUDA
-#include "backend/cuda/moe_weight_cast.h"
 #include "backend/cuda/multi_tensor.h"
 #endif
 
@@ -39,24 +39,19 @@ void moe_fp8_adamw_cast_weights(Context& ctx, Tensor& param, const Tensor& grad,
                 op, ": param (", param.describe(), ") and its BF16 value (", value.describe(), ") must hold ",
                 experts, " x ", n, " x ", k, " elements");
   check_on_device(ctx, op, {&out.data, &out.data_t, &out.scale, &out.amax});
+  // The update's own operands, as adamw_step_multi checks them for this one tensor.
+  std::vector<Tensor> params{param}, grads{grad}, avgs{exp_avg}, avg_sqs{exp_avg_sq}, values{value};
+  check_adamw_step_multi(ctx, op, params, grads, avgs, avg_sqs, values, options, {weight_decay}, grad_norm, max_norm,
+                         Tensor());
   const DType fp8 = out.data.dtype();
 #if TESSERA_WITH_CUDA
-  if (ctx.device.is_cuda()) {
-    check_on_device(ctx, op, {&param, &grad, &exp_avg, &exp_avg_sq, &value});
-    if (param.is_contiguous() && grad.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
-        value.is_contiguous() && grad.numel() == param.numel() && exp_avg.shape() == param.shape() &&
-        exp_avg_sq.shape() == param.shape() && exp_avg.dtype() == DType::F32 && exp_avg_sq.dtype() == DType::F32 &&
-        cuda::adamw_step_fp8_cast_supported(param, grad, exp_avg, exp_avg_sq, value, grad_norm, out.data)) {
-      // adamw_step_multi's checks of the options and the norm, on an empty list.
-      std::vector<Tensor> none;
-      adamw_step_multi(ctx, none, none, none, none, none, options, {}, grad_norm, max_norm);
-      cuda::adamw_step_fp8_cast(ctx.stream, param, grad, exp_avg, exp_avg_sq, value, options, weight_decay, grad_norm,
-                                max_norm, out.scale, out.amax, out.data, out.data_t);
-      return;
-    }
+  if (ctx.device.is_cuda() &&
+      cuda::adamw_step_fp8_cast_supported(param, grad, exp_avg, exp_avg_sq, value, grad_norm, out.data)) {
+    cuda::adamw_step_fp8_cast(ctx.stream, param, grad, exp_avg, exp_avg_sq, value, options, weight_decay, grad_norm,
+                              max_norm, out.scale, out.amax, out.data, out.data_t);
+    return;
   }
 #endif
-  std::vector<Tensor> params{param}, grads{grad}, avgs{exp_avg}, avg_sqs{exp_avg_sq}, values{value};
   adamw_step_multi(ctx, params, grads, avgs, avg_sqs, values, options, {weight_decay}, grad_norm, max_norm);
   const Tensor w = value.reshape({experts, n, k});
   for (int64_t e = 0; e < experts; ++e) {
@@ -77,28 +72,12 @@ MoEFp8Weights moe_fp8_weights_from_cast(Context& ctx, const MoEFp8WeightCast& ca
   const int64_t experts = cast.data.size(0);
   TESSERA_CHECK(o.delayed && o.delayed_base >= 0 && o.delayed_base + MoEFp8Options::delayed_slots(experts) <= o.delayed->size(),
                 op, ": needs the delayed-scaling state with the layer's ", MoEFp8Options::delayed_slots(experts), " slots");
-  const int64_t first = o.delayed_base + MoEFp8Options::kDelayedWeight;
   MoEFp8Weights q;
   q.experts.resize(static_cast<size_t>(experts));
   q.scales.resize(static_cast<size_t>(experts));
-  // The GEMMs' inverse scales, 16 bytes apart (cuBLASLt's scale alignment).
-  Tensor scale_inv = Tensor::empty({4 * experts}, DType::F32, ctx.device);
-  const Tensor from = o.delayed->scale_invs().slice(0, first, first + experts);
   std::vector<int64_t> all(static_cast<size_t>(experts));
   for (int64_t e = 0; e < experts; ++e) all[static_cast<size_t>(e)] = e;
-#if TESSERA_WITH_CUDA
-  if (ctx.device.is_cuda()) cuda::moe_weight_gather_scales(ctx.stream, from, all, scale_inv);
-#endif
-  if (!ctx.device.is_cuda())
-    for (int64_t e = 0; e < experts; ++e) scale_inv.data<float>()[4 * e] = from.data<float>()[e];
-  for (int64_t e = 0; e < experts; ++e) {
-    fp8::QuantizedTensor& t = q.experts[static_cast<size_t>(e)];
-    t.dtype = cast.data.dtype();
-    t.data = cast.data.select(0, e);
-    t.data_t = cast.data_t.select(0, e);
-    t.scale_inv = scale_inv.slice(0, 4 * e, 4 * e + 1);
-    q.scales[static_cast<size_t>(e)] = o.delayed->scale(first + e);
-  }
+  moe_detail::set_delayed_weight_codes(ctx, cast.data, cast.data_t, all, o, q);
   return q;
 }
 

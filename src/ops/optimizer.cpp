@@ -2,6 +2,7 @@
 
 #include "backend/cpu/optimizer.h"
 #include "dispatch.h"
+#include "optimizer_checks.h"
 #if TESSERA_WITH_CUDA
 #include "backend/cuda/multi_tensor.h"
 #include "backend/cuda/optimizer.h"
@@ -156,22 +157,11 @@ std::array<double, kAdamWStepScalars> adamw_step_scalars(const AdamWOptions& opt
           static_cast<double>(bias_correction2_sqrt)};
 }
 
-void adamw_step_multi(Context& ctx, std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                      std::vector<Tensor>& exp_avgs, std::vector<Tensor>& exp_avg_sqs,
-                      std::vector<Tensor>& bf16_values, const AdamWOptions& given_options,
-                      const std::vector<float>& weight_decays, const Tensor& grad_norm, double max_norm,
-                      MultiTensorCache* cache, const Tensor& step_scalars) {
-  const char* op = "adamw_step_multi";
-  AdamWOptions options = given_options;
-  if (step_scalars.defined()) {
-    // lr and step come from step_scalars: options' own are placeholders, checked no further.
-    check_contiguous(step_scalars, op, "step_scalars");
-    check_dtype(step_scalars, DType::F64, op, "step_scalars");
-    check_shape(step_scalars, {kAdamWStepScalars}, op, "step_scalars");
-    check_on_device(ctx, op, {&step_scalars});
-    options.lr = 0.0f;
-    options.step = 1;
-  }
+void check_adamw_step_multi(Context& ctx, const char* op, const std::vector<Tensor>& params,
+                            const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avgs,
+                            const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& bf16_values,
+                            const AdamWOptions& options, const std::vector<float>& weight_decays,
+                            const Tensor& grad_norm, double max_norm, const Tensor& step_scalars) {
   const size_t n = params.size();
   TESSERA_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && weight_decays.size() == n,
                 op, ": params, grads, exp_avgs, exp_avg_sqs and weight_decays must have one entry per tensor, got ",
@@ -212,6 +202,26 @@ void adamw_step_multi(Context& ctx, std::vector<Tensor>& params, const std::vect
     }
   }
   check_disjoint(ranges, op);
+}
+
+void adamw_step_multi(Context& ctx, std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                      std::vector<Tensor>& exp_avgs, std::vector<Tensor>& exp_avg_sqs,
+                      std::vector<Tensor>& bf16_values, const AdamWOptions& given_options,
+                      const std::vector<float>& weight_decays, const Tensor& grad_norm, double max_norm,
+                      MultiTensorCache* cache, const Tensor& step_scalars) {
+  const char* op = "adamw_step_multi";
+  AdamWOptions options = given_options;
+  if (step_scalars.defined()) {
+    // lr and step come from step_scalars: options' own are placeholders, checked no further.
+    check_contiguous(step_scalars, op, "step_scalars");
+    check_dtype(step_scalars, DType::F64, op, "step_scalars");
+    check_shape(step_scalars, {kAdamWStepScalars}, op, "step_scalars");
+    check_on_device(ctx, op, {&step_scalars});
+    options.lr = 0.0f;
+    options.step = 1;
+  }
+  check_adamw_step_multi(ctx, op, params, grads, exp_avgs, exp_avg_sqs, bf16_values, options, weight_decays,
+                         grad_norm, max_norm, step_scalars);
   if (ctx.device.is_cuda()) {
 #if TESSERA_WITH_CUDA
     if (cuda::adamw_step_multi_supported(params, grads, grad_norm)) {

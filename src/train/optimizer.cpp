@@ -73,10 +73,11 @@ void Optimizer::queue(Context& ctx, const AdamWOptions& options, const Tensor& s
     if (!custom || !custom_[i]) multi.push_back(i);
   }
   const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : 0.0;
-  global_grad_norm(ctx, lists_for(all).grads, norm_, &norm_cache_);
+  Lists l = lists_for(all);
+  global_grad_norm(ctx, l.grads, norm_, &norm_cache_);
   // Clipping scales the gradient, not lr and eps: Adam is scale invariant except for eps,
   // so scaling those would be another update.
-  Lists l = lists_for(multi);
+  if (custom) l = lists_for(multi);
   adamw_step_multi(ctx, l.weights, l.grads, l.exp_avg, l.exp_avg_sq, l.values, options, l.weight_decays, norm_,
                    max_norm, &adamw_cache_, step_scalars);
   if (!custom) return;
