@@ -22,7 +22,8 @@ for tessera (both: memory the process held).
     python3 bench/gpu_train_step.py --build build-gpu [--models gpt2,llama] [--compile] [--fp8 delayed]
 
 With --fp8 RECIPE, tessera also runs with the blocks' linear layers in FP8 (the rows' last
-column is then tessera BF16 against each row, so an FP8 speed-up shows as a ratio below 1).
+column is then tessera BF16 against each row, so an FP8 speed-up shows as a ratio below 1);
+with --cast-in-optimizer and --fp8 delayed, mixtral2 also runs with fp8.cast_in_optimizer.
 """
 import argparse
 import json
@@ -196,7 +197,7 @@ VOCAB = {"gpt2": 50257, "gpt2-v50304": 50304, "llama": 128256, "mixtral2": MIXTR
 
 
 def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, autotune=False, loss_fusion=None,
-                overlap=False, keep_layers=0):
+                overlap=False, keep_layers=0, cast_in_optimizer=False):
     model = "llama3.2-1b" if name == "llama" else "gpt2-124m"
     if name == "mixtral2":
         model = json.dumps(dict(MIXTRAL2, architecture="mixtral", tie_embeddings=False,
@@ -206,6 +207,8 @@ def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, au
            "--vocab", str(VOCAB[name]), "--grad-clip", "1.0" if clip else "0"]
     if fp8:
         cmd += ["--fp8", fp8]
+    if cast_in_optimizer:
+        cmd += ["--fp8-cast-in-optimizer"]
     if autotune:
         cmd += ["--gemm-autotune"]
     if overlap:
@@ -218,6 +221,7 @@ def run_tessera(build, name, batch, seq, warmup, steps, fp8=None, clip=False, au
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
     result = json.loads(out)
     result["impl"] = ((f"tessera fp8 ({fp8} scaling)" if fp8 else "tessera bf16") + (" clip" if clip else "") +
+                      (" cast in optimizer" if cast_in_optimizer else "") +
                       (" gemm-autotune" if autotune else "") + (f" loss fusion {loss_fusion}" if loss_fusion else "") +
                       (" optimizer overlap" if overlap else "") + (f" keep h in {keep_layers}" if keep_layers else ""))
     if name == "mixtral2":  # MFU over the active parameters, as for PyTorch's figure
@@ -248,6 +252,9 @@ def main():
     ap.add_argument("--keep-activation-layers", type=int, action="append", default=[], metavar="N",
                     help="llama: also time tessera BF16 with the last N layers keeping the SwiGLU output "
                          "(model.keep_activation_layers; repeatable; with --loss-fusion these runs use it too)")
+    ap.add_argument("--cast-in-optimizer", action="store_true",
+                    help="with --fp8 delayed: also time tessera with the MoE experts' FP8 casts made by the "
+                         "optimizer's update (fp8.cast_in_optimizer)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -269,6 +276,9 @@ def main():
                                        loss_fusion=args.loss_fusion, keep_layers=keep))
         for recipe in args.fp8:
             results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, fp8=recipe, clip=args.clip))
+            if args.cast_in_optimizer and recipe == "delayed" and name == "mixtral2":
+                results.append(run_tessera(args.build, name, batch, seq, args.warmup, args.steps, fp8=recipe,
+                                           clip=args.clip, cast_in_optimizer=True))
         results.append(run_torch(name, batch, seq, False, args.warmup, args.steps, clip=args.clip))
         if args.compile:
             results.append(run_torch(name, batch, seq, True, args.warmup, args.steps, clip=args.clip))

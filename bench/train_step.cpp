@@ -72,6 +72,10 @@ int main(int argc, char** argv) {
   app.add_flag("--fp8-keep-weight-transpose", fp8_keep_weight_transpose,
                "With --fp8: keep each FP8 layer's transposed weight codes from forward to backward (the old "
                "behaviour, fp8.keep_weight_transpose) instead of re-casting them in backward");
+  bool fp8_cast_in_optimizer = false;
+  app.add_flag("--fp8-cast-in-optimizer", fp8_cast_in_optimizer,
+               "With --fp8 delayed: the MoE experts' weights cast to FP8 by the optimizer's update for the next "
+               "step (fp8.cast_in_optimizer) instead of by the forward");
   bool unfused_fp8_activation = false;
   app.add_flag("--unfused-fp8-activation", unfused_fp8_activation,
                "With --fp8: the MLP writes its activation in BF16 and casts it in a separate pass (the path "
@@ -145,14 +149,19 @@ int main(int argc, char** argv) {
     std::shared_ptr<nn::Fp8Scaling> fp8_state;
     if (!fp8_recipe.empty()) {
       if (precision != "bf16") throw std::runtime_error("--fp8 needs --precision bf16");
-    } else if (fp8_lm_head || fp8_keep_weight_transpose) {
-      throw std::runtime_error(fp8_lm_head ? "--fp8-lm-head needs --fp8" : "--fp8-keep-weight-transpose needs --fp8");
+    } else if (fp8_lm_head || fp8_keep_weight_transpose || fp8_cast_in_optimizer) {
+      throw std::runtime_error(std::string(fp8_lm_head                 ? "--fp8-lm-head"
+                                           : fp8_keep_weight_transpose ? "--fp8-keep-weight-transpose"
+                                                                       : "--fp8-cast-in-optimizer") +
+                               " needs --fp8");
     }
-    const nlohmann::json fp8_json = {
+    nlohmann::json fp8_json = {
         {"recipe", fp8_recipe}, {"lm_head", fp8_lm_head}, {"keep_weight_transpose", fp8_keep_weight_transpose}};
+    if (fp8_cast_in_optimizer) fp8_json["cast_in_optimizer"] = true;  // Recipe refuses it without delayed
     nn::MLP::set_fused_fp8_activation(!unfused_fp8_activation);
     if (!fp8_recipe.empty()) {
       fp8_state = models::enable_fp8(ctx, model, fp8::Recipe::from_json(fp8_json));
+      if (fp8_cast_in_optimizer) train::use_cast_in_optimizer(model, optimizer);
     }
     Tensor inputs = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
     for (int64_t i = 0; i < batch * seq; ++i) {
@@ -173,10 +182,12 @@ int main(int argc, char** argv) {
         for (nn::Parameter* p : model.parameters())
           if (p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, ".bias") == 0) p->materialize_grad(ctx);
       if (optimizer_overlap) optimizer.begin_step(ctx, 1e-4);
+      if (fp8_state) fp8_state->begin_step(1);
       loss = model.forward_backward(ctx, inputs, targets);
       if (fp8_state) fp8_state->end_micro_batch(ctx);
-      optimizer.step(ctx, 1e-4);
+      // As the trainer: the next step's scales before the optimizer, whose casts use them.
       if (fp8_state) fp8_state->end_step(ctx);
+      optimizer.step(ctx, 1e-4);
       synchronize(ctx);
 #if TESSERA_WITH_CUDA
       if (profiled) cudaProfilerStop();

@@ -105,6 +105,22 @@ inline void expect_fused_update_matches_definition(Context& ctx) {
           EXPECT_TRUE(same_bits_on_host(want.experts[e].data, cast.data.select(0, e))) << "expert " << e;
           EXPECT_TRUE(same_bits_on_host(want.experts[e].data_t, cast.data_t.select(0, e))) << "expert " << e;
         }
+        // Without a value to write (GroupedLinear's call): the same update, codes and amaxes.
+        pending.copy_from(pending_before.to(ctx.device));
+        ExpertWeightState c = random_expert_weight(ctx, experts, n, k, grad_dtype, 11);
+        MoEFp8WeightCast cast_c = cast;
+        cast_c.data = Tensor::empty({experts, n, k}, fp8, ctx.device);
+        cast_c.data_t = Tensor::empty({experts, k, n}, fp8, ctx.device);
+        Tensor no_value;
+        moe_fp8_adamw_cast_weights(ctx, c.param, c.grad, c.exp_avg, c.exp_avg_sq, no_value, adam, 0.1f, norm, max_norm,
+                                   cast_c);
+        EXPECT_FALSE(no_value.defined());
+        EXPECT_TRUE(same_bits_on_host(a.param, c.param));
+        EXPECT_TRUE(same_bits_on_host(a.exp_avg, c.exp_avg));
+        EXPECT_TRUE(same_bits_on_host(a.exp_avg_sq, c.exp_avg_sq));
+        EXPECT_TRUE(same_bits_on_host(pending_want, state->pending_amaxes()));
+        EXPECT_TRUE(same_bits_on_host(cast.data, cast_c.data));
+        EXPECT_TRUE(same_bits_on_host(cast.data_t, cast_c.data_t));
         // The casts as the GEMMs take them: the state's inverse scales.
         const MoEFp8Weights primed = moe_fp8_weights_from_cast(ctx, cast, o);
         for (int64_t e = 0; e < experts; ++e)
@@ -116,7 +132,9 @@ inline void expect_fused_update_matches_definition(Context& ctx) {
 
 // Three optimizer steps of `micro` micro-batches of a tiny Mixtral under delayed scaling, as
 // the trainer runs them (end_step before the optimizer), with the experts' casts made by the
-// optimizer or by the forwards; the losses, every parameter and the FP8 state at the end.
+// optimizer or by the forwards, then an evaluation's loss (a forward with no primed casts,
+// which must read the BF16 expert weights the fused updates left stale); the losses, every
+// parameter and the FP8 state at the end.
 struct CastRun {
   std::vector<double> losses;
   std::vector<Tensor> finals;
@@ -134,11 +152,7 @@ inline CastRun train_mixtral_casting(Context& ctx, int micro, bool cast_in_optim
   oc.lr = 1e-2;
   oc.grad_clip = 0.5;  // clipping on: the fused update reads the norm too
   train::Optimizer optimizer(model.parameters(), oc);
-  if (cast_in_optimizer)
-    for (auto& layer : model.layers)
-      for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj})
-        optimizer.set_custom_update(linear->weight,
-                                    [linear](Context& x, AdamWTensorStep& s) { linear->optimizer_update(x, s); });
+  if (cast_in_optimizer) EXPECT_EQ(train::use_cast_in_optimizer(model, optimizer), 2 * config.num_layers);
   CastRun run;
   for (int step = 0; step < 3; ++step) {
     model.zero_grad();
@@ -153,6 +167,16 @@ inline CastRun train_mixtral_casting(Context& ctx, int micro, bool cast_in_optim
     scaling->end_step(ctx);
     optimizer.step(ctx, oc.lr);
   }
+  for (auto& layer : model.layers)
+    for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj})
+      EXPECT_EQ(linear->weight.value_stale, cast_in_optimizer) << linear->weight.name;
+  scaling->weight_cache()->drop_primed();
+  const Tensor inputs = random_ids({2, 16}, config.vocab_size, 900).to(ctx.device);
+  const Tensor targets = random_ids({2, 16}, config.vocab_size, 901).to(ctx.device);
+  run.losses.push_back(model.forward_loss(ctx, inputs, targets));
+  for (auto& layer : model.layers)
+    for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj})
+      EXPECT_FALSE(linear->weight.value_stale) << linear->weight.name << " after the evaluation";
   for (const Tensor& t : parameter_state(model)) run.finals.push_back(t.defined() ? t.to(Device::cpu()) : t);
   for (const auto& [name, t] : scaling->state_dict()) run.finals.push_back(t.to(Device::cpu()));
   run.hits = scaling->weight_cache()->hits();

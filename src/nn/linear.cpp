@@ -19,6 +19,7 @@ Parameter::Parameter(std::string name_, const Shape& shape, DType dtype, bool de
 
 void Parameter::refresh_value(Context& ctx) {
   if (master.defined()) cast(ctx, master, value);
+  value_stale = false;
 }
 
 bool Parameter::begin_grad_write(Context& ctx, bool can_overwrite) {

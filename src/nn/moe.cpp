@@ -20,13 +20,13 @@ GroupedLinear::GroupedLinear(const std::string& name, int64_t num_experts, int64
 
 Tensor GroupedLinear::forward(Context& ctx, const Tensor& x, const std::vector<int64_t>& splits) const {
   Tensor y = Tensor::empty({x.size(0), out_}, weight.value.dtype(), ctx.device);
-  grouped_linear_forward(ctx, x, weight3d(), splits, y);
+  grouped_linear_forward(ctx, x, current_weight3d(ctx), splits, y);
   return y;
 }
 
 Tensor GroupedLinear::backward_input(Context& ctx, const Tensor& dy, const std::vector<int64_t>& splits) const {
   Tensor dx = Tensor::empty({dy.size(0), in_}, weight.value.dtype(), ctx.device);
-  grouped_linear_backward_input(ctx, dy, weight3d(), splits, dx);
+  grouped_linear_backward_input(ctx, dy, current_weight3d(ctx), splits, dx);
   return dx;
 }
 
@@ -34,6 +34,12 @@ void GroupedLinear::backward_weight(Context& ctx, const Tensor& dy, const Tensor
   const bool overwrite = weight.begin_grad_write(ctx);  // the step's first gradient: beta 0
   Tensor dw = weight.grad.reshape({experts_, out_, in_});
   grouped_linear_backward_weight(ctx, dy, x, splits, dw, /*accumulate=*/!overwrite);
+}
+
+Tensor GroupedLinear::current_weight3d(Context& ctx) const {
+  // Refreshing the BF16 copy from the FP32 master changes no weight, so a const method may.
+  if (weight.value_stale) const_cast<Parameter&>(weight).refresh_value(ctx);
+  return weight3d();
 }
 
 bool GroupedLinear::runs_fp8(DType input) const {
@@ -54,10 +60,11 @@ Tensor GroupedLinear::forward_fp8(Context& ctx, MoEFp8Rows x, Fp8Saved& saved) c
     saved.w = fp8_->weight_cache->get_or_make<MoEFp8Weights>(&weight, [&] {
       MoEFp8Options all = *fp8_;
       all.keep_weight_transpose = true;
-      return moe_fp8_quantize_weights(ctx, weight3d(), std::vector<int64_t>(static_cast<size_t>(experts_), 1), all);
+      return moe_fp8_quantize_weights(ctx, current_weight3d(ctx), std::vector<int64_t>(static_cast<size_t>(experts_), 1),
+                                      all);
     });
   } else {
-    saved.w = moe_fp8_quantize_weights(ctx, weight3d(), x.splits, *fp8_);
+    saved.w = moe_fp8_quantize_weights(ctx, current_weight3d(ctx), x.splits, *fp8_);
   }
   Tensor y = Tensor::empty({x.data.size(0), out_}, weight.value.dtype(), ctx.device);
   grouped_linear_forward_fp8(ctx, x, saved.w, y);
@@ -94,7 +101,7 @@ Tensor GroupedLinear::backward_input_fp8(Context& ctx, MoEFp8Rows dy, Fp8Saved& 
   if (!saved.w.scales.empty()) {
     // W^T of each expert with rows, cast again with its forward scale (the weight is
     // unchanged since the forward): the forward's codes, without the row-wise copy.
-    const Tensor w3 = weight3d();
+    const Tensor w3 = current_weight3d(ctx);
     for (size_t e = 0; e < saved.w.experts.size(); ++e) {
       if (saved.w.experts[e].data_t.defined() || !saved.w.scales[e].defined()) continue;
       saved.w.experts[e] = fp8::quantize_transposed(ctx, w3.select(0, static_cast<int64_t>(e)), saved.w.scales[e],
@@ -127,7 +134,7 @@ void GroupedLinear::backward_weight_fp8(Context& ctx, const Fp8Saved& saved) {
   grouped_linear_backward_weight_fp8(ctx, saved.dy, saved.x, dw, /*accumulate=*/!overwrite);
 }
 
-void GroupedLinear::optimizer_update(Context& ctx, AdamWTensorStep& step) const {
+void GroupedLinear::optimizer_update(Context& ctx, AdamWTensorStep& step) {
   if (!fp8_ || !fp8_->delayed || !fp8_->weight_cache || !runs_fp8(DType::BF16) || !step.value.defined()) {
     adamw_step_one(ctx, step);
     return;
@@ -139,8 +146,12 @@ void GroupedLinear::optimizer_update(Context& ctx, AdamWTensorStep& step) const 
   cast.amax = fp8_->delayed->pending_amaxes().slice(0, first, first + experts_);
   cast.data = Tensor::empty({experts_, out_, in_}, fp8, ctx.device);
   cast.data_t = Tensor::empty({experts_, in_, out_}, fp8, ctx.device);
-  moe_fp8_adamw_cast_weights(ctx, step.param, step.grad, step.exp_avg, step.exp_avg_sq, step.value, step.options,
+  // The BF16 copy is left as it was (2 of the update's 32 bytes an element): the next
+  // forward reads the casts, and whatever reads the copy first refreshes it from the master.
+  Tensor no_value;
+  moe_fp8_adamw_cast_weights(ctx, step.param, step.grad, step.exp_avg, step.exp_avg_sq, no_value, step.options,
                              step.weight_decay, step.grad_norm, step.max_norm, cast);
+  weight.value_stale = true;
   fp8_->weight_cache->prime<MoEFp8Weights>(&weight, moe_fp8_weights_from_cast(ctx, cast, *fp8_));
 }
 

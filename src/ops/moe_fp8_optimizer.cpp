@@ -2,7 +2,8 @@
 // with its FP8 cast for the next step in the same pass (fp8.cast_in_optimizer). On CUDA one
 // kernel (backend/cuda/multi_tensor.cu, adamw_cast_kernel); elsewhere, and for shapes it does
 // not take, the composition it equals bit for bit: adamw_step_multi on the one tensor, then
-// each expert's amax and fp8::quantize_with_transpose of its new BF16 value.
+// each expert's amax and fp8::quantize_with_transpose of its new BF16 value (in a scratch
+// tensor when the caller leaves the value unwritten).
 #include <cmath>
 #include <limits>
 
@@ -34,10 +35,10 @@ void moe_fp8_adamw_cast_weights(Context& ctx, Tensor& param, const Tensor& grad,
   for (const Tensor* t : {&out.scale, &out.amax})
     TESSERA_CHECK(t->defined() && t->is_contiguous() && t->dtype() == DType::F32 && (t->shape() == Shape{experts}), op,
                   ": scale and amax must be contiguous F32 [", experts, "] tensors, got ", t->describe());
-  TESSERA_CHECK(param.defined() && param.numel() == experts * n * k && value.defined() && value.numel() == param.numel() &&
-                    value.dtype() == DType::BF16,
-                op, ": param (", param.describe(), ") and its BF16 value (", value.describe(), ") must hold ",
-                experts, " x ", n, " x ", k, " elements");
+  TESSERA_CHECK(param.defined() && param.numel() == experts * n * k &&
+                    (!value.defined() || (value.numel() == param.numel() && value.dtype() == DType::BF16)),
+                op, ": param (", param.describe(), ") and its BF16 value (", value.describe(), ", or undefined) must ",
+                "hold ", experts, " x ", n, " x ", k, " elements");
   check_on_device(ctx, op, {&out.data, &out.data_t, &out.scale, &out.amax});
   // The update's own operands, as adamw_step_multi checks them for this one tensor.
   std::vector<Tensor> params{param}, grads{grad}, avgs{exp_avg}, avg_sqs{exp_avg_sq}, values{value};
@@ -52,8 +53,10 @@ void moe_fp8_adamw_cast_weights(Context& ctx, Tensor& param, const Tensor& grad,
     return;
   }
 #endif
+  // Without a value to write, the codes come from a scratch copy of the new BF16 weights.
+  if (!value.defined()) values[0] = Tensor::empty(param.shape(), DType::BF16, ctx.device);
   adamw_step_multi(ctx, params, grads, avgs, avg_sqs, values, options, {weight_decay}, grad_norm, max_norm);
-  const Tensor w = value.reshape({experts, n, k});
+  const Tensor w = values[0].reshape({experts, n, k});
   for (int64_t e = 0; e < experts; ++e) {
     const Tensor we = w.select(0, e);
     Tensor a = Tensor::empty({1}, DType::F32, ctx.device);

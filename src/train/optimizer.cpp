@@ -4,6 +4,8 @@
 #include <cmath>
 #include <map>
 
+#include "tessera/models/transformer_lm.h"
+#include "tessera/nn/moe.h"
 #include "tessera/ops/elementwise.h"
 #include "tessera/ops/optimizer.h"
 
@@ -80,6 +82,7 @@ void Optimizer::queue(Context& ctx, const AdamWOptions& options, const Tensor& s
   if (custom) l = lists_for(multi);
   adamw_step_multi(ctx, l.weights, l.grads, l.exp_avg, l.exp_avg_sq, l.values, options, l.weight_decays, norm_,
                    max_norm, &adamw_cache_, step_scalars);
+  for (size_t i : custom ? multi : all) params_[i]->value_stale = false;  // their values were written
   if (!custom) return;
   for (size_t i : custom_order_) {
     const Lists one = lists_for({i});
@@ -98,6 +101,18 @@ void Optimizer::set_custom_update(const nn::Parameter& parameter, CustomUpdate u
   custom_order_.erase(std::remove(custom_order_.begin(), custom_order_.end(), i), custom_order_.end());
   custom_[i] = std::move(update);
   if (custom_[i]) custom_order_.push_back(i);
+}
+
+int use_cast_in_optimizer(models::TransformerLM& model, Optimizer& optimizer) {
+  int weights = 0;
+  for (auto& layer : model.layers)
+    if (layer->moe)
+      for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj}) {
+        optimizer.set_custom_update(linear->weight,
+                                    [linear](Context& x, AdamWTensorStep& s) { linear->optimizer_update(x, s); });
+        ++weights;
+      }
+  return weights;
 }
 
 Optimizer::Lists Optimizer::lists_for(const std::vector<size_t>& indices) const {
@@ -169,6 +184,7 @@ void Optimizer::queue_bucket(Context& ctx) {
   global_grad_norm(side, l.grads, norm, &bucket_norm_caches_[b]);
   adamw_step_multi(side, l.weights, l.grads, l.exp_avg, l.exp_avg_sq, l.values, options_for(armed_lr_, step_ + 1),
                    l.weight_decays, Tensor(), 0.0, &bucket_adamw_caches_[b]);
+  for (size_t i : bucket_) params_[i]->value_stale = false;  // their values were written
   bucket_.clear();
   bucket_elements_ = 0;
 }

@@ -256,13 +256,7 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     // fp8.cast_in_optimizer: the experts' updates write their next casts (after end_step).
     TESSERA_CHECK(!c.fp8->cast_in_optimizer || !zero1, "config: fp8.cast_in_optimizer runs with the plain optimizer; ",
                   "drop it or training.zero1");
-    if (c.fp8->cast_in_optimizer)
-      for (auto& layer : model.layers)
-        if (layer->moe)
-          for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj})
-            optimizer.set_custom_update(linear->weight, [linear](Context& x, AdamWTensorStep& s) {
-              linear->optimizer_update(x, s);
-            });
+    if (c.fp8->cast_in_optimizer) use_cast_in_optimizer(model, optimizer);
   }
   // What a checkpoint's trainer state holds besides the weights and the optimizer: put back on
   // resume and on every rewind (from memory or from a checkpoint).
@@ -573,6 +567,9 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     // the optimizer: such steps, and batches with ignored targets, run eagerly (same bits).
     if (graph_step && !poison_now && graph_step->accepts(batches)) {
       if (fp8_state) fp8_state->weight_cache()->drop_primed();  // this step changes the weights without them
+      // The captured forward reads the BF16 weights as they are: renew those an eager step's
+      // cast_in_optimizer update left stale.
+      for (nn::Parameter* p : model.parameters()) p->refresh_value_if_stale(ctx);
       const CudaGraphStep::Result r = graph_step->step(batches, lr);
       loss = r.loss;
       grad_norm = r.grad_norm;

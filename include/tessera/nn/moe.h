@@ -39,7 +39,10 @@ class GroupedLinear {
   Tensor backward_input(Context& ctx, const Tensor& dy, const std::vector<int64_t>& splits) const;
   void backward_weight(Context& ctx, const Tensor& dy, const Tensor& x, const std::vector<int64_t>& splits);
   void parameters(ParameterList& out) { out.push_back(&weight); }
+  // The BF16 weights as [E, out, in]: a view of weight.value, which may lag the master after
+  // a cast_in_optimizer update (Parameter::value_stale); current_weight3d refreshes it first.
   Tensor weight3d() const { return weight.value.reshape({experts_, out_, in_}); }
+  Tensor current_weight3d(Context& ctx) const;
 
   // FP8: an empty optional turns it off.
   void use_fp8(std::optional<MoEFp8Options> options) { fp8_ = options; }
@@ -67,8 +70,9 @@ class GroupedLinear {
   // fused with its FP8 casts for the next step under delayed scaling
   // (moe_fp8_adamw_cast_weights), which then prime the weight cache (fp8/weight_cache.h) for
   // the next forward; the plain step without a delayed FP8 setting. Run it after the
-  // scaling's end_step, whose new scales the casts use.
-  void optimizer_update(Context& ctx, AdamWTensorStep& step) const;
+  // scaling's end_step, whose new scales the casts use. The fused update leaves the BF16 copy
+  // (weight.value) stale: current_weight3d and Parameter::refresh_value_if_stale renew it.
+  void optimizer_update(Context& ctx, AdamWTensorStep& step);
 
   int64_t num_experts() const { return experts_; }
   int64_t in_features() const { return in_; }

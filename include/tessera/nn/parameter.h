@@ -38,6 +38,11 @@ struct Parameter {
   // every FP32 gradient and the first GEMM's read of it (about 2 ms of a Llama-1B step).
   bool grad_overwrite_ok = false;
   bool grad_unwritten = false;  // grad's memory is stale: it stands for zeros
+  // value lags master: the optimizer updated master without rewriting the BF16 copy
+  // (fp8.cast_in_optimizer, whose update writes the FP8 casts the next forward reads instead;
+  // nn::GroupedLinear::optimizer_update). Whoever reads value then calls
+  // refresh_value_if_stale first; refresh_value and a plain optimizer update clear it.
+  bool value_stale = false;
 
   Parameter() = default;
   Parameter(std::string name_, const Shape& shape, DType dtype, bool decay, Device device = Device::cpu());
@@ -56,6 +61,9 @@ struct Parameter {
   const Tensor& weights() const { return master.defined() ? master : value; }
   // Refreshes `value` from `master` after the weights changed (no-op without a master).
   void refresh_value(Context& ctx);
+  void refresh_value_if_stale(Context& ctx) {
+    if (value_stale) refresh_value(ctx);
+  }
   // Moves every tensor of the parameter to `device` (copies; the old storage is released).
   void to(Device device);
 };

@@ -267,11 +267,12 @@ MoEFp8Weights moe_fp8_quantize_weights(Context& ctx, const Tensor& w, const std:
 //   data[e] = fp8(value_e * scale[e]) [N, K],  data_t[e] = its transpose [K, N]
 //   amax[e] = fold(amax[e], max |value_e|)     (NaN sticky, as pending amaxes fold)
 // The weights, moments and value get adamw_step_multi's bits; the codes are
-// fp8::quantize_with_transpose's of the stored value with scale[e] (so
-// moe_fp8_quantize_weights' under delayed scaling, read from the value). On CUDA one kernel
-// (16-byte aligned tensors, K % 8 == 0, N % 8 == 0; it skips the cast's re-read of the value
-// but measured only 1% faster than the update plus the cast: backend/cuda/multi_tensor.cu);
-// elsewhere the composition. scale and amax: F32 [E]
+// fp8::quantize_with_transpose's of the new BF16 value with scale[e] (so
+// moe_fp8_quantize_weights' under delayed scaling, read from the value). value may be
+// undefined: the BF16 copy is then not written (the codes are computed from the master's
+// BF16 rounding all the same), which is what GroupedLinear::optimizer_update does. On CUDA
+// one kernel (16-byte aligned tensors, K % 8 == 0, N % 8 == 0; backend/cuda/multi_tensor.cu
+// has its speed); elsewhere the composition. scale and amax: F32 [E]
 // (the delayed state's weight slots of the layer); data, data_t: E4M3 or E5M2, overwritten.
 struct MoEFp8WeightCast {
   Tensor scale, amax, data, data_t;

@@ -13,6 +13,10 @@
 #include "tessera/ops/optimizer.h"
 #include "tessera/train/config.h"
 
+namespace tessera::models {
+class TransformerLM;  // tessera/models/transformer_lm.h
+}
+
 namespace tessera::train {
 
 // Learning rate at `step` (1-based): linear warm-up to lr, then cosine down to
@@ -102,8 +106,8 @@ class Optimizer : public OptimizerBase {
   // A parameter whose update `update` runs instead of the multi-tensor pass, with the step's
   // tensors and scalars (after that pass, in the order set): fp8.cast_in_optimizer's
   // nn::GroupedLinear::optimizer_update. The gradient norm still covers it. A captured step
-  // (queue_step) and an overlapped one update it as any other parameter. An empty function
-  // removes it.
+  // (queue_step) and an overlapped one update it as any other parameter (and so clear its
+  // Parameter::value_stale). An empty function removes it.
   using CustomUpdate = std::function<void(Context&, AdamWTensorStep&)>;
   void set_custom_update(const nn::Parameter& parameter, CustomUpdate update);
 
@@ -148,5 +152,11 @@ class Optimizer : public OptimizerBase {
   void queue_bucket(Context& ctx);
   double finish_overlapped_step(Context& ctx, double lr);
 };
+
+// fp8.cast_in_optimizer: every MoE layer's expert weights (fc and proj) updated by
+// nn::GroupedLinear::optimizer_update (Optimizer::set_custom_update), which also writes their
+// FP8 casts for the next step. The model's FP8 must be on (models::enable_fp8, delayed
+// recipe) for the casts; without it the update is the plain one. Returns how many weights.
+int use_cast_in_optimizer(models::TransformerLM& model, Optimizer& optimizer);
 
 }  // namespace tessera::train

@@ -36,13 +36,14 @@
 // adamw_multi_kernel updates it (the same expressions, so the same bits), and in the same
 // pass its new BF16 value cast to FP8 with each expert's delayed scale, row-wise and
 // transposed, the expert's amax folded in: what GroupedLinear's forward would otherwise cast
-// from the BF16 value in the next step. Tiles of 64 x 128 (code_tile.cuh) over a persistent
-// grid. Floor: 30 B + 2 B of codes per element, against 30 B for the update and 4 B for the
-// separate cast (the cast's 2-byte reread of the value is what fusing could save). Measured
-// (H200, 2026-12-03, bench_moe castopt, Mixtral's fc + proj weights, 1.41G elements, 45.1 GB):
-// 12.66 ms, 3.6 TB/s, against 11.02 ms for adamw_multi_kernel plus 1.75 ms for the separate
-// cast in the same run: 1% faster than the two (the tile's barrier and the transposed 64-byte
-// stores hold it below the streaming update's 3.8 TB/s; its floor is 11.0 ms).
+// from the BF16 value in the next step. The BF16 value itself is written only when given
+// (GroupedLinear leaves it stale). Tiles of 64 x 128 (code_tile.cuh) over a persistent grid.
+// Floor without the value: 28 B + 2 B of codes per element, the bytes of the plain update
+// with its value (30 B): 10.3 ms at 4.1 TB/s for Mixtral's fc + proj weights (1.41G
+// elements). Measured on the H200 (2026-12-03; bench/RESULTS.md, twenty-fourth session):
+// 11.42 ms without the value (3.70 TB/s), 12.60 with it, against 11.04 for adamw_multi_kernel
+// with its value (3.83 TB/s); in bench_moe 11.51-11.56 against 10.94 + 1.76 for the update
+// and the separate cast: the cast costs 0.6 ms in the update instead of 1.76 in the forward.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -261,15 +262,16 @@ __global__ void __launch_bounds__(kThreads)
 
 // adamw_step_fp8_cast's kernel. Tile t of the grid's loop is tile t % per_expert of expert
 // t / per_expert, row-major over the expert's [rows = N, cols = K]; each thread takes four
-// 8-element pieces of it (16 to a tile row), kInFlight at a time: their loads all issued
-// before the first is used, so that more bytes are in flight than one piece's 128 per thread.
-// It updates them, then casts their BF16 values into the row-wise codes and the shared tile
-// that the transposed store reads. Two shared tiles, alternating, so one barrier a tile.
-// Two pieces in flight take 128 registers (2 blocks a SM); measured on the H200 (Mixtral's two
-// expert weights): 12.66-12.68 ms, against 12.79-12.93 for one piece at 3 blocks a SM and
-// 13.35 for one piece at 4 (64 registers, spilling).
+// 8-element pieces of it (16 to a tile row), all four's loads issued before the first is used
+// (512 bytes a thread in flight). It updates them, then casts their BF16 values into the
+// row-wise codes and the shared tile that the transposed store reads. Two shared tiles,
+// alternating, so one barrier a tile. Measured on the H200 (Mixtral's two expert weights,
+// with the value): 12.60 ms with four pieces in flight at 1 block a SM (206 registers),
+// against 13.02 for two at 2 blocks, 12.68 for the next group's loads issued before the
+// current group's math (software pipelining), 13.3 for 128 x 64 tiles (128-byte runs of
+// W^T, 64-byte row-wise runs) and 15.5 for 256 x 32 tiles.
 constexpr int kCastPieces = code_tile::kRows * code_tile::kCols / kWidth / kThreads;  // 4
-constexpr int kInFlight = 2, kCastBlocksPerSm = 2;
+constexpr int kInFlight = 4, kCastBlocksPerSm = 1;
 
 template <typename G, bool kE4M3>
 __global__ void __launch_bounds__(kThreads, kCastBlocksPerSm)
@@ -323,8 +325,8 @@ __global__ void __launch_bounds__(kThreads, kCastBlocksPerSm)
         vec::store8(e.param + j, p[u]);
         vec::store8(e.exp_avg + j, mo[u]);
         vec::store8(e.exp_avg_sq + j, v[u]);
-        vec::store8(e.value + j, p[u]);
-        // The codes of the value just stored: what the forward's cast would read.
+        if (e.value) vec::store8(e.value + j, p[u]);
+        // The codes of the new BF16 value: what the forward's cast would read.
 #pragma unroll
         for (int i = 0; i < kWidth; ++i) {
           p[u][i] = vec::round_bf16(p[u][i]);
@@ -491,7 +493,7 @@ bool adamw_step_fp8_cast_supported(const Tensor& param, const Tensor& grad, cons
   const int64_t experts = data.size(0), rows = data.size(1), cols = data.size(2);
   const bool aligned = vec::aligned16(param.raw_data()) && vec::aligned16(grad.raw_data()) &&
                        vec::aligned16(exp_avg.raw_data()) && vec::aligned16(exp_avg_sq.raw_data()) &&
-                       vec::aligned16(value.raw_data());
+                       (!value.defined() || vec::aligned16(value.raw_data()));
   return param.dtype() == DType::F32 && (grad.dtype() == DType::F32 || grad.dtype() == DType::BF16) && aligned &&
          (!grad_norm.defined() || grad_norm.dtype() == DType::F32 || grad_norm.dtype() == DType::F64) &&
          experts > 0 && cols % kWidth == 0 && rows % 8 == 0;
@@ -508,7 +510,7 @@ void adamw_step_fp8_cast(void* stream, Tensor& param, const Tensor& grad, Tensor
   e.grad = grad.raw_data();
   e.exp_avg = exp_avg.data<float>();
   e.exp_avg_sq = exp_avg_sq.data<float>();
-  e.value = value.data<bf16>();
+  e.value = value.defined() ? value.data<bf16>() : nullptr;
   e.numel = param.numel();
   e.weight_decay = weight_decay;
   e.aligned = 1;

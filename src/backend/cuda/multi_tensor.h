@@ -27,10 +27,11 @@ void adamw_step_multi(void* stream, std::vector<Tensor>& params, const std::vect
                       MultiTensorCache& cache, const Tensor& step_scalars = Tensor());
 
 // AdamW on one [E, N, K] weight (param F32 [E*N, K] or [E, N, K], grad F32 or BF16, value
-// BF16, all 16-byte aligned; K % 8 == 0, N % 8 == 0) fused with the cast of the new value:
+// BF16 or undefined (not written), all 16-byte aligned; K % 8 == 0, N % 8 == 0) fused with
+// the cast of the new BF16 value:
 // data [E, N, K] and data_t [E, K, N] (E4M3 or E5M2) with scale[e] (F32 [E]), max |value|
 // of expert e folded into amax[e] (F32 bits, NaN sticky). The update's bits are
-// adamw_step_multi's; the codes are moe_weight_cast's of the stored value.
+// adamw_step_multi's; the codes are moe_weight_cast's of the new BF16 value.
 bool adamw_step_fp8_cast_supported(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                                    const Tensor& exp_avg_sq, const Tensor& value, const Tensor& grad_norm,
                                    const Tensor& data);
