@@ -33,6 +33,15 @@ TEST(Fp8CastInOptimizer, PrimedEntriesServeTheNextOpenOnly) {
   cache.open();
   EXPECT_EQ(cache.get_or_make<int>(&key, make), 5);
   cache.close();
+  // One forward to serve: the entry leaves the cache as it is handed out.
+  cache.prime<int>(&key, 300);
+  cache.open(/*keep_new=*/false, /*serve_once=*/true);
+  EXPECT_EQ(cache.size(), 1);
+  EXPECT_EQ(cache.get_or_make<int>(&key, make), 300);
+  EXPECT_EQ(cache.size(), 0);
+  EXPECT_EQ(cache.get_or_make<int>(&key, make), 6);
+  EXPECT_EQ(cache.hits(), 2);
+  cache.close();
 }
 
 TEST(Fp8CastInOptimizer, FusedUpdateMatchesItsDefinition) {

@@ -96,9 +96,10 @@ void Fp8Scaling::begin_step(int64_t micro_batches) {
   if (cached_micro_batches_left_ > 0) {
     weight_cache_->open();
   } else if (weight_cache_->has_primed()) {
-    // fp8.cast_in_optimizer: the optimizer's casts serve this step, nothing else is kept.
+    // fp8.cast_in_optimizer: the optimizer's casts serve this step, nothing else is kept;
+    // with one micro-batch each is served once and then left to its user.
     cached_micro_batches_left_ = std::max<int64_t>(micro_batches, 1);
-    weight_cache_->open(/*keep_new=*/false);
+    weight_cache_->open(/*keep_new=*/false, /*serve_once=*/micro_batches <= 1);
   } else {
     weight_cache_->close();
   }

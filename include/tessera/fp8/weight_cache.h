@@ -28,9 +28,13 @@
 // fp8.cast_in_optimizer: the optimizer's update of an MoE expert weight also writes its casts
 // for the next step (nn::GroupedLinear::optimizer_update) and PRIMES the cache with them.
 // Primed entries outlive close(); the next open() starts from them, and with nothing but
-// primed entries to serve (one micro-batch a step) it keeps no new casts. They are the next
-// step's casts only if the weights do not change before that open: whoever changes them in
-// between (a rewind, a step run without the cache) calls drop_primed().
+// primed entries to serve (one micro-batch a step) it keeps no new casts. With one forward
+// to serve (serve_once) each entry leaves the cache as it is handed out, so that its
+// row-wise codes go after that forward's GEMM and its transposed codes after the backward's,
+// as an uncached cast's do, rather than at the step's end (about 2 bytes per expert
+// parameter of the layers already run, at the backward's peak). They are the next step's
+// casts only if the weights do not change before that open: whoever changes them in between
+// (a rewind, a step run without the cache) calls drop_primed().
 //
 // The same window carries work deferred to the step's last micro-batch (defer / flush): the
 // MoE experts' weight gradients under fp8.defer_expert_wgrad (nn::GroupedLinear), which are
@@ -53,12 +57,14 @@ class WeightCache {
  public:
   // Start of a step's micro-batches: entries made from now on serve the rest of the step.
   // keep_new false: serve the primed entries only, casting anything else every time.
-  void open(bool keep_new = true) {
+  // serve_once: an entry leaves the cache when it is served (the step has one forward).
+  void open(bool keep_new = true, bool serve_once = false) {
     TESSERA_CHECK(deferred_.empty(), "fp8::WeightCache: opened with deferred work not flushed");
     entries_ = std::move(primed_);
     primed_.clear();
     open_ = true;
     keep_new_ = keep_new;
+    serve_once_ = serve_once;
   }
   // End of the step (before the weights change): every entry goes, nothing is cached.
   // Deferred work must have been flushed.
@@ -94,9 +100,12 @@ class WeightCache {
   T get_or_make(const void* key, Make&& make) {
     if (!open_) return make();
     if (auto it = entries_.find(key); it != entries_.end()) {
-      if (const T* cached = std::any_cast<T>(&it->second)) {
+      if (T* cached = std::any_cast<T>(&it->second)) {
         ++hits_;
-        return *cached;
+        if (!serve_once_) return *cached;
+        T served = std::move(*cached);
+        entries_.erase(it);
+        return served;
       }
     }
     T made = make();
@@ -105,7 +114,7 @@ class WeightCache {
   }
 
  private:
-  bool open_ = false, keep_new_ = true;
+  bool open_ = false, keep_new_ = true, serve_once_ = false;
   int64_t hits_ = 0;
   std::unordered_map<const void*, std::any> entries_, primed_;
   std::vector<std::function<void(Context&)>> deferred_;
