@@ -388,6 +388,9 @@ int main(int argc, char** argv) {
     Case tuned;
     tuned.autotune = true;
     run_case("balanced autotuned", balanced, runs, 4, tuned);
+    Case step_tuned = step;
+    step_tuned.autotune = true;
+    run_case("bal step autotuned", balanced, runs, 1, step_tuned);
     Case delayed_keep_step_tuned = delayed_keep_step;
     delayed_keep_step_tuned.autotune = true;
     run_case("bal fp8 delayed keepWt step autotuned", balanced, runs, 1, delayed_keep_step_tuned);

@@ -135,6 +135,14 @@ inline void expect_fused_update_matches_definition(Context& ctx) {
 // optimizer or by the forwards, then an evaluation's loss (a forward with no primed casts,
 // which must read the BF16 expert weights the fused updates left stale); the losses, every
 // parameter and the FP8 state at the end.
+// Every MoE layer's two expert GroupedLinears (fc, proj), layer by layer.
+inline std::vector<nn::GroupedLinear*> expert_linears(models::TransformerLM& model) {
+  std::vector<nn::GroupedLinear*> linears;
+  for (auto& layer : model.layers)
+    if (layer->moe) linears.insert(linears.end(), {&layer->moe->experts.fc, &layer->moe->experts.proj});
+  return linears;
+}
+
 struct CastRun {
   std::vector<double> losses;
   std::vector<Tensor> finals;
@@ -167,16 +175,14 @@ inline CastRun train_mixtral_casting(Context& ctx, int micro, bool cast_in_optim
     scaling->end_step(ctx);
     optimizer.step(ctx, oc.lr);
   }
-  for (auto& layer : model.layers)
-    for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj})
-      EXPECT_EQ(linear->weight.value_stale, cast_in_optimizer) << linear->weight.name;
+  for (nn::GroupedLinear* linear : expert_linears(model))
+    EXPECT_EQ(linear->weight.value_stale, cast_in_optimizer) << linear->weight.name;
   scaling->weight_cache()->drop_primed();
   const Tensor inputs = random_ids({2, 16}, config.vocab_size, 900).to(ctx.device);
   const Tensor targets = random_ids({2, 16}, config.vocab_size, 901).to(ctx.device);
   run.losses.push_back(model.forward_loss(ctx, inputs, targets));
-  for (auto& layer : model.layers)
-    for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj})
-      EXPECT_FALSE(linear->weight.value_stale) << linear->weight.name << " after the evaluation";
+  for (nn::GroupedLinear* linear : expert_linears(model))
+    EXPECT_FALSE(linear->weight.value_stale) << linear->weight.name << " after the evaluation";
   for (const Tensor& t : parameter_state(model)) run.finals.push_back(t.defined() ? t.to(Device::cpu()) : t);
   for (const auto& [name, t] : scaling->state_dict()) run.finals.push_back(t.to(Device::cpu()));
   run.hits = scaling->weight_cache()->hits();

@@ -177,6 +177,11 @@ CudaGraphStep::Result CudaGraphStep::step(const std::vector<data::Batch>& batche
   TESSERA_CHECK(accepts(batches), "CudaGraphStep::step: takes ", options_.grad_accum, " host batches of [",
                 options_.batch_size, ", ", options_.seq_len, "] ids with every target valid (check accepts() first)");
   StreamGuard guard(ctx_);
+  // This step changes the weights without the FP8 casts an eager cast_in_optimizer update
+  // primed, and its forward reads the BF16 weights as they are: drop the one, renew the
+  // other where that update left it stale.
+  if (fp8_) fp8_->weight_cache()->drop_primed();
+  for (nn::Parameter* p : model_.parameters()) p->refresh_value_if_stale(ctx_);
   stage(batches, lr);
   if (steps_ >= options_.warmup_steps && !captured() && failure_.empty()) capture();
   steps_ += 1;

@@ -566,10 +566,6 @@ TrainResult train(const RunConfig& config, const TrainOptions& options) {
     // The captured step has no place for the host to poison a gradient between backward and
     // the optimizer: such steps, and batches with ignored targets, run eagerly (same bits).
     if (graph_step && !poison_now && graph_step->accepts(batches)) {
-      if (fp8_state) fp8_state->weight_cache()->drop_primed();  // this step changes the weights without them
-      // The captured forward reads the BF16 weights as they are: renew those an eager step's
-      // cast_in_optimizer update left stale.
-      for (nn::Parameter* p : model.parameters()) p->refresh_value_if_stale(ctx);
       const CudaGraphStep::Result r = graph_step->step(batches, lr);
       loss = r.loss;
       grad_norm = r.grad_norm;
