@@ -13,6 +13,7 @@
 #include "tessera/fp8/device_scaling.h"
 #include "tessera/models/fp8_model.h"
 #include "tessera/nn/moe.h"
+#include "tessera/ops/elementwise.h"
 #include "tessera/ops/moe.h"
 #include "tessera/ops/optimizer.h"
 #include "tessera/train/optimizer.h"
@@ -187,6 +188,62 @@ inline CastRun train_mixtral_casting(Context& ctx, int micro, bool cast_in_optim
   for (const auto& [name, t] : scaling->state_dict()) run.finals.push_back(t.to(Device::cpu()));
   run.hits = scaling->weight_cache()->hits();
   return run;
+}
+
+// The codes a cast_in_optimizer update primes live in the memory of the BF16 copy it leaves
+// stale, so they add none; refreshing that copy gives it memory of its own: codes still held
+// (as by a pending backward) keep their bits, and the copy gets the master's.
+inline void expect_codes_live_in_the_stale_copy(Context& ctx) {
+  const models::ModelConfig config = tiny_mixtral_config();
+  models::TransformerLM model(config, DType::BF16);
+  if (ctx.device.is_cuda()) model.to(ctx.device);
+  model.init(ctx, 7);
+  const auto scaling =
+      models::enable_fp8(ctx, model, fp8::Recipe::from_json({{"recipe", "delayed"}, {"cast_in_optimizer", true}}));
+  train::OptimizerConfig oc;
+  oc.lr = 1e-2;
+  train::Optimizer optimizer(model.parameters(), oc);
+  train::use_cast_in_optimizer(model, optimizer);
+  model.zero_grad();
+  scaling->begin_step(1);
+  const Tensor inputs = random_ids({2, 16}, config.vocab_size, 100).to(ctx.device);
+  const Tensor targets = random_ids({2, 16}, config.vocab_size, 101).to(ctx.device);
+  model.forward_backward(ctx, inputs, targets, 1.0f);
+  scaling->end_micro_batch(ctx);
+  scaling->end_step(ctx);
+  optimizer.step(ctx, oc.lr);
+
+  fp8::WeightCache& cache = *scaling->weight_cache();
+  cache.open(/*keep_new=*/false, /*serve_once=*/true);
+  for (nn::GroupedLinear* linear : expert_linears(model)) {
+    nn::Parameter& w = linear->weight;
+    SCOPED_TRACE(w.name);
+    ASSERT_TRUE(w.value_stale);
+    ASSERT_TRUE(w.value_memory_lent);
+    const MoEFp8Weights codes = cache.get_or_make<MoEFp8Weights>(&w, [] {
+      ADD_FAILURE() << "no primed cast";
+      return MoEFp8Weights();
+    });
+    ASSERT_FALSE(codes.experts.empty());
+    const Tensor lent = w.value;
+    std::vector<Tensor> bits;
+    for (const fp8::QuantizedTensor& e : codes.experts) {
+      EXPECT_TRUE(e.data.shares_storage(lent) && e.data_t.shares_storage(lent));
+      bits.push_back(e.data.clone().to(Device::cpu()));
+      bits.push_back(e.data_t.clone().to(Device::cpu()));
+    }
+    w.refresh_value_if_stale(ctx);
+    EXPECT_FALSE(w.value_stale || w.value_memory_lent);
+    EXPECT_FALSE(w.value.shares_storage(lent));
+    for (size_t e = 0; e < codes.experts.size(); ++e) {
+      EXPECT_TRUE(same_bits_on_host(bits[2 * e], codes.experts[e].data)) << "expert " << e;
+      EXPECT_TRUE(same_bits_on_host(bits[2 * e + 1], codes.experts[e].data_t)) << "expert " << e;
+    }
+    Tensor want = Tensor::empty(w.value.shape(), DType::BF16, ctx.device);
+    cast(ctx, w.master, want);
+    EXPECT_TRUE(same_bits_on_host(want, w.value));
+  }
+  cache.close();
 }
 
 // With several micro-batches the forwards cast every expert once a step anyway (the weight

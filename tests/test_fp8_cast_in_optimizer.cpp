@@ -59,6 +59,11 @@ TEST(Fp8CastInOptimizer, MixtralTrainsTheSameBitsWithOneMicroBatch) {
   expect_cast_in_optimizer_serves_single_micro_batch(ctx);
 }
 
+TEST(Fp8CastInOptimizer, CodesLiveInTheStaleBf16Copy) {
+  Context ctx = Context::cpu();
+  expect_codes_live_in_the_stale_copy(ctx);
+}
+
 TEST(Fp8CastInOptimizer, ConfigKeyNeedsDelayedScaling) {
   EXPECT_TRUE(fp8::Recipe::from_json({{"recipe", "delayed"}, {"cast_in_optimizer", true}}).cast_in_optimizer);
   EXPECT_FALSE(fp8::Recipe::from_json({{"recipe", "delayed"}}).cast_in_optimizer);

@@ -50,3 +50,9 @@ TEST(GpuFp8CastInOptimizer, MixtralTrainsTheSameBitsWithOneMicroBatch) {
   Context ctx = Context::cuda();
   expect_cast_in_optimizer_serves_single_micro_batch(ctx);
 }
+
+TEST(GpuFp8CastInOptimizer, CodesLiveInTheStaleBf16Copy) {
+  REQUIRE_GPU();
+  Context ctx = Context::cuda();
+  expect_codes_live_in_the_stale_copy(ctx);
+}

@@ -109,6 +109,28 @@ TEST(Tensor, ViewAsKeepsBytes) {
   EXPECT_EQ(b.view_as(DType::F16).dtype(), DType::F16);
 }
 
+TEST(Tensor, BytesAsViewsPartOfTheMemory) {
+  // 4 BF16 elements (8 bytes), viewed from element 1 on: bytes 2..7 of the storage.
+  Tensor b = Tensor::zeros({5}, DType::BF16).slice(0, 1, 5);
+  const Tensor lo = b.bytes_as(DType::E4M3, {2, 2});
+  const Tensor hi = b.bytes_as(DType::E4M3, {4}, 4);
+  EXPECT_TRUE(lo.shares_storage(b) && hi.shares_storage(b));
+  EXPECT_EQ(lo.raw_data(), b.raw_data());
+  EXPECT_EQ(static_cast<char*>(hi.raw_data()), static_cast<char*>(b.raw_data()) + 4);
+  EXPECT_EQ(lo.stride(0), 2);
+  static_cast<unsigned char*>(hi.raw_data())[2] = 0x80;  // bytes 6 and 7: BF16 element 3,
+  static_cast<unsigned char*>(hi.raw_data())[3] = 0x3f;  // 0x3f80 = 1.0
+  EXPECT_EQ(b.item(3), 1.0);
+  EXPECT_THROW(b.bytes_as(DType::I32, {1}), Error);        // the view starts at storage byte 2
+  EXPECT_EQ(b.bytes_as(DType::I32, {1}, 2).numel(), 1);   // storage byte 4: aligned
+  EXPECT_THROW(b.bytes_as(DType::E4M3, {9}), Error);      // more than the 8 bytes
+  EXPECT_THROW(b.bytes_as(DType::E4M3, {2}, 7), Error);   // past the end
+  EXPECT_THROW(b.bytes_as(DType::BF16, {1}, 1), Error);   // misaligned
+  EXPECT_THROW(b.bytes_as(DType::E4M3, {-1}), Error);
+  EXPECT_THROW(Tensor::zeros({2, 2}, DType::BF16).transpose(0, 1).bytes_as(DType::E4M3, {8}), Error);
+  EXPECT_THROW(Tensor().bytes_as(DType::E4M3, {1}), Error);
+}
+
 TEST(Tensor, UndefinedTensorGivesClearErrors) {
   Tensor t;
   EXPECT_FALSE(t.defined());

@@ -199,6 +199,24 @@ Tensor Tensor::view_as(DType dtype) const {
   return t;
 }
 
+Tensor Tensor::bytes_as(DType dtype, const Shape& shape, size_t byte_offset) const {
+  TESSERA_CHECK(defined() && is_contiguous(), "Tensor::bytes_as: needs a defined contiguous tensor, got ", describe());
+  for (int64_t d : shape) TESSERA_CHECK(d >= 0, "Tensor::bytes_as: negative dimension in ", shape_to_string(shape));
+  const size_t size = dtype_size(dtype);
+  const size_t start = static_cast<size_t>(offset_) * dtype_size(dtype_) + byte_offset;
+  TESSERA_CHECK(start % size == 0, "Tensor::bytes_as: byte ", byte_offset, " of ", describe(), " is not aligned for ",
+                dtype_name(dtype));
+  TESSERA_CHECK(byte_offset <= nbytes() && static_cast<size_t>(shape_numel(shape)) * size <= nbytes() - byte_offset,
+                "Tensor::bytes_as: ", dtype_name(dtype), shape_to_string(shape), " from byte ", byte_offset,
+                " does not fit in ", describe());
+  Tensor t = *this;
+  t.dtype_ = dtype;
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  t.offset_ = static_cast<int64_t>(start / size);
+  return t;
+}
+
 // ---- Copies ----------------------------------------------------------------------------
 
 // Calls fn(dst_offset, src_offset) for every element, walking both views in row-major order.

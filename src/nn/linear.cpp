@@ -18,8 +18,17 @@ Parameter::Parameter(std::string name_, const Shape& shape, DType dtype, bool de
 }
 
 void Parameter::refresh_value(Context& ctx) {
-  if (master.defined()) cast(ctx, master, value);
+  if (master.defined()) {
+    own_value_memory();
+    cast(ctx, master, value);
+  }
   value_stale = false;
+}
+
+void Parameter::own_value_memory() {
+  if (!value_memory_lent) return;
+  value = Tensor::empty(value.shape(), value.dtype(), value.device());
+  value_memory_lent = false;
 }
 
 bool Parameter::begin_grad_write(Context& ctx, bool can_overwrite) {

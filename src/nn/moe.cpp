@@ -144,10 +144,19 @@ void GroupedLinear::optimizer_update(Context& ctx, AdamWTensorStep& step) {
   MoEFp8WeightCast cast;
   cast.scale = fp8_->delayed->scales().slice(0, first, first + experts_);
   cast.amax = fp8_->delayed->pending_amaxes().slice(0, first, first + experts_);
-  cast.data = Tensor::empty({experts_, out_, in_}, fp8, ctx.device);
-  cast.data_t = Tensor::empty({experts_, in_, out_}, fp8, ctx.device);
-  // The BF16 copy is left as it was (2 of the update's 32 bytes an element): the next
-  // forward reads the casts, and whatever reads the copy first refreshes it from the master.
+  // The BF16 copy is not written (2 of the update's 32 bytes an element): the next forward
+  // reads the casts, and whatever reads the copy first refreshes it from the master. Its
+  // memory, 2 bytes an element, holds the casts (1 + 1), so that they cost no memory.
+  const Shape rows = {experts_, out_, in_}, cols = {experts_, in_, out_};
+  const Tensor& value = weight.value;
+  if (value.defined() && value.is_contiguous() && value.device() == ctx.device && value.numel() == experts_ * out_ * in_) {
+    cast.data = value.bytes_as(fp8, rows);
+    cast.data_t = value.bytes_as(fp8, cols, static_cast<size_t>(value.numel()));
+    weight.value_memory_lent = true;
+  } else {
+    cast.data = Tensor::empty(rows, fp8, ctx.device);
+    cast.data_t = Tensor::empty(cols, fp8, ctx.device);
+  }
   Tensor no_value;
   moe_fp8_adamw_cast_weights(ctx, step.param, step.grad, step.exp_avg, step.exp_avg_sq, no_value, step.options,
                              step.weight_decay, step.grad_norm, step.max_norm, cast);

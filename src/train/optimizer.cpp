@@ -72,7 +72,10 @@ void Optimizer::queue(Context& ctx, const AdamWOptions& options, const Tensor& s
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i]->materialize_grad(ctx);  // a lazily zeroed gradient no backward wrote is zeros
     all[i] = i;
-    if (!custom || !custom_[i]) multi.push_back(i);
+    if (!custom || !custom_[i]) {
+      multi.push_back(i);
+      params_[i]->own_value_memory();  // the plain update writes value: not over codes lent its memory
+    }
   }
   const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : 0.0;
   Lists l = lists_for(all);
@@ -179,6 +182,7 @@ void Optimizer::queue_bucket(Context& ctx) {
   // Tensor-level work of the ops below (a multi-tensor table's first upload) goes on the side
   // stream too.
   const StreamGuard guard(side);
+  for (size_t i : bucket_) params_[i]->own_value_memory();  // the update writes value, not lent memory
   Lists l = lists_for(bucket_);
   Tensor norm = bucket_norms_.slice(0, static_cast<int64_t>(b), static_cast<int64_t>(b) + 1);
   global_grad_norm(side, l.grads, norm, &bucket_norm_caches_[b]);

@@ -73,6 +73,9 @@ class Tensor {
   Tensor reshape(const Shape& shape) const;                  // contiguous only; one -1 allowed
   Tensor transpose(int d0, int d1) const;
   Tensor view_as(DType dtype) const;                         // same bytes, same element size
+  // Part of this contiguous view's bytes, from byte_offset on, as a packed `shape` of `dtype`
+  // (it must fit, and start on a multiple of dtype's size): memory reused for other data.
+  Tensor bytes_as(DType dtype, const Shape& shape, size_t byte_offset = 0) const;
 
   // ---- Copies ----
   Tensor contiguous() const;              // itself when already contiguous

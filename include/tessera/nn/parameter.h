@@ -43,6 +43,10 @@ struct Parameter {
   // nn::GroupedLinear::optimizer_update). Whoever reads value then calls
   // refresh_value_if_stale first; refresh_value and a plain optimizer update clear it.
   bool value_stale = false;
+  // While value is stale, its memory may hold other data (the FP8 codes a cast_in_optimizer
+  // update wrote there, which a forward or a pending backward may still read): refresh_value
+  // then gives value memory of its own instead of writing over them.
+  bool value_memory_lent = false;
 
   Parameter() = default;
   Parameter(std::string name_, const Shape& shape, DType dtype, bool decay, Device device = Device::cpu());
@@ -64,6 +68,9 @@ struct Parameter {
   void refresh_value_if_stale(Context& ctx) {
     if (value_stale) refresh_value(ctx);
   }
+  // Gives value memory of its own again where it was lent (value_memory_lent), contents
+  // undefined: for whoever writes all of value next.
+  void own_value_memory();
   // Moves every tensor of the parameter to `device` (copies; the old storage is released).
   void to(Device device);
 };
