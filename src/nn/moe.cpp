@@ -136,7 +136,12 @@ void GroupedLinear::backward_weight_fp8(Context& ctx, const Fp8Saved& saved) {
 
 void GroupedLinear::optimizer_update(Context& ctx, AdamWTensorStep& step) {
   if (!fp8_ || !fp8_->delayed || !fp8_->weight_cache || !runs_fp8(DType::BF16) || !step.value.defined()) {
+    if (step.value.defined() && weight.value_memory_lent) {  // write the copy, not over lent memory
+      weight.own_value_memory();
+      step.value = weight.value;
+    }
     adamw_step_one(ctx, step);
+    weight.value_stale = false;
     return;
   }
   const int64_t first = fp8_->delayed_base + MoEFp8Options::kDelayedWeight;
