@@ -131,11 +131,6 @@ inline void expect_fused_update_matches_definition(Context& ctx) {
       }
 }
 
-// Three optimizer steps of `micro` micro-batches of a tiny Mixtral under delayed scaling, as
-// the trainer runs them (end_step before the optimizer), with the experts' casts made by the
-// optimizer or by the forwards, then an evaluation's loss (a forward with no primed casts,
-// which must read the BF16 expert weights the fused updates left stale); the losses, every
-// parameter and the FP8 state at the end.
 // Every MoE layer's two expert GroupedLinears (fc, proj), layer by layer.
 inline std::vector<nn::GroupedLinear*> expert_linears(models::TransformerLM& model) {
   std::vector<nn::GroupedLinear*> linears;
@@ -144,6 +139,11 @@ inline std::vector<nn::GroupedLinear*> expert_linears(models::TransformerLM& mod
   return linears;
 }
 
+// Three optimizer steps of `micro` micro-batches of a tiny Mixtral under delayed scaling, as
+// the trainer runs them (end_step before the optimizer), with the experts' casts made by the
+// optimizer or by the forwards, then an evaluation's loss (a forward with no primed casts,
+// which must read the BF16 expert weights the fused updates left stale); the losses, every
+// parameter and the FP8 state at the end.
 struct CastRun {
   std::vector<double> losses;
   std::vector<Tensor> finals;
