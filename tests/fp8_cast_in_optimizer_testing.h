@@ -6,6 +6,7 @@
 // one that casts in its forward, while the primed casts really serve the forwards.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -131,14 +132,6 @@ inline void expect_fused_update_matches_definition(Context& ctx) {
       }
 }
 
-// Every MoE layer's two expert GroupedLinears (fc, proj), layer by layer.
-inline std::vector<nn::GroupedLinear*> expert_linears(models::TransformerLM& model) {
-  std::vector<nn::GroupedLinear*> linears;
-  for (auto& layer : model.layers)
-    if (layer->moe) linears.insert(linears.end(), {&layer->moe->experts.fc, &layer->moe->experts.proj});
-  return linears;
-}
-
 // Three optimizer steps of `micro` micro-batches of a tiny Mixtral under delayed scaling, as
 // the trainer runs them (end_step before the optimizer), with the experts' casts made by the
 // optimizer or by the forwards, then an evaluation's loss (a forward with no primed casts,
@@ -148,9 +141,15 @@ struct CastRun {
   std::vector<double> losses;
   std::vector<Tensor> finals;
   int64_t hits = 0;
+  int64_t experts_without_tokens = 0;  // summed over the steps and layers
 };
 
-inline CastRun train_mixtral_casting(Context& ctx, int micro, bool cast_in_optimizer) {
+// `batch`: each micro-batch's [B, T] tokens; `resume_before`: the step before which the run
+// goes on as one resumed from a checkpoint (or rewound) would: without primed casts, its FP8
+// state loaded from a saved copy (so without the pending amaxes the update recorded); -1:
+// never.
+inline CastRun train_mixtral_casting(Context& ctx, int micro, bool cast_in_optimizer, const Shape& batch = {2, 16},
+                                     int resume_before = -1) {
   const models::ModelConfig config = tiny_mixtral_config();
   models::TransformerLM model(config, DType::BF16);
   if (ctx.device.is_cuda()) model.to(ctx.device);
@@ -164,25 +163,32 @@ inline CastRun train_mixtral_casting(Context& ctx, int micro, bool cast_in_optim
   if (cast_in_optimizer) EXPECT_EQ(train::use_cast_in_optimizer(model, optimizer), 2 * config.num_layers);
   CastRun run;
   for (int step = 0; step < 3; ++step) {
+    if (step == resume_before) {
+      scaling->weight_cache()->drop_primed();
+      scaling->load_state_dict(ctx, scaling->state_dict());
+    }
     model.zero_grad();
     scaling->begin_step(micro);
     for (int m = 0; m < micro; ++m) {
       const uint64_t seed = 100 + 10 * static_cast<uint64_t>(step) + static_cast<uint64_t>(m);
-      const Tensor inputs = random_ids({2, 16}, config.vocab_size, seed).to(ctx.device);
-      const Tensor targets = random_ids({2, 16}, config.vocab_size, seed + 1000).to(ctx.device);
+      const Tensor inputs = random_ids(batch, config.vocab_size, seed).to(ctx.device);
+      const Tensor targets = random_ids(batch, config.vocab_size, seed + 1000).to(ctx.device);
       run.losses.push_back(model.forward_backward(ctx, inputs, targets, 1.0f / static_cast<float>(micro)));
       scaling->end_micro_batch(ctx);
     }
     scaling->end_step(ctx);
     optimizer.step(ctx, oc.lr);
+    for (const std::vector<int64_t>& loads : model.expert_loads())
+      run.experts_without_tokens += std::count(loads.begin(), loads.end(), int64_t{0});
+    model.update_expert_biases(ctx);  // resets the loads
   }
-  for (nn::GroupedLinear* linear : expert_linears(model))
+  for (nn::GroupedLinear* linear : model.expert_linears())
     EXPECT_EQ(linear->weight.value_stale, cast_in_optimizer) << linear->weight.name;
   scaling->weight_cache()->drop_primed();
   const Tensor inputs = random_ids({2, 16}, config.vocab_size, 900).to(ctx.device);
   const Tensor targets = random_ids({2, 16}, config.vocab_size, 901).to(ctx.device);
   run.losses.push_back(model.forward_loss(ctx, inputs, targets));
-  for (nn::GroupedLinear* linear : expert_linears(model))
+  for (nn::GroupedLinear* linear : model.expert_linears())
     EXPECT_FALSE(linear->weight.value_stale) << linear->weight.name << " after the evaluation";
   for (const Tensor& t : parameter_state(model)) run.finals.push_back(t.defined() ? t.to(Device::cpu()) : t);
   for (const auto& [name, t] : scaling->state_dict()) run.finals.push_back(t.to(Device::cpu()));
@@ -190,10 +196,17 @@ inline CastRun train_mixtral_casting(Context& ctx, int micro, bool cast_in_optim
   return run;
 }
 
+// How the stale BF16 copy gets written again after a cast_in_optimizer update: refreshed
+// from the master (a forward without primed casts, an evaluation), by the plain multi-tensor
+// update (the custom update taken away, as in a captured or overlapped step), or by the
+// custom update's own fallback (FP8 switched off, so it runs the plain AdamW step).
+enum class CopyRewrite { Refresh, PlainUpdate, FallbackUpdate };
+
 // The codes a cast_in_optimizer update primes live in the memory of the BF16 copy it leaves
-// stale, so they add none; refreshing that copy gives it memory of its own: codes still held
-// (as by a pending backward) keep their bits, and the copy gets the master's.
-inline void expect_codes_live_in_the_stale_copy(Context& ctx) {
+// stale, so they add none; whatever writes that copy again gives it memory of its own first:
+// codes still held (as by a pending backward) keep their bits, and the copy gets the
+// master's.
+inline void expect_codes_live_in_the_stale_copy(Context& ctx, CopyRewrite rewrite) {
   const models::ModelConfig config = tiny_mixtral_config();
   models::TransformerLM model(config, DType::BF16);
   if (ctx.device.is_cuda()) model.to(ctx.device);
@@ -213,37 +226,60 @@ inline void expect_codes_live_in_the_stale_copy(Context& ctx) {
   scaling->end_step(ctx);
   optimizer.step(ctx, oc.lr);
 
+  struct Held {
+    nn::Parameter* weight;
+    Tensor lent;
+    MoEFp8Weights codes;
+    std::vector<Tensor> bits;  // host copies of each expert's codes and transposed codes
+  };
+  std::vector<Held> held;
   fp8::WeightCache& cache = *scaling->weight_cache();
   cache.open(/*keep_new=*/false, /*serve_once=*/true);
-  for (nn::GroupedLinear* linear : expert_linears(model)) {
+  for (nn::GroupedLinear* linear : model.expert_linears()) {
     nn::Parameter& w = linear->weight;
     SCOPED_TRACE(w.name);
     ASSERT_TRUE(w.value_stale);
     ASSERT_TRUE(w.value_memory_lent);
-    const MoEFp8Weights codes = cache.get_or_make<MoEFp8Weights>(&w, [] {
-      ADD_FAILURE() << "no primed cast";
-      return MoEFp8Weights();
-    });
-    ASSERT_FALSE(codes.experts.empty());
-    const Tensor lent = w.value;
-    std::vector<Tensor> bits;
-    for (const fp8::QuantizedTensor& e : codes.experts) {
-      EXPECT_TRUE(e.data.shares_storage(lent) && e.data_t.shares_storage(lent));
-      bits.push_back(e.data.clone().to(Device::cpu()));
-      bits.push_back(e.data_t.clone().to(Device::cpu()));
+    Held h{&w, w.value, cache.get_or_make<MoEFp8Weights>(&w, [] {
+             ADD_FAILURE() << "no primed cast";
+             return MoEFp8Weights();
+           }), {}};
+    ASSERT_FALSE(h.codes.experts.empty());
+    for (const fp8::QuantizedTensor& e : h.codes.experts) {
+      EXPECT_TRUE(e.data.shares_storage(h.lent) && e.data_t.shares_storage(h.lent));
+      h.bits.push_back(e.data.clone().to(Device::cpu()));
+      h.bits.push_back(e.data_t.clone().to(Device::cpu()));
     }
-    w.refresh_value_if_stale(ctx);
+    held.push_back(std::move(h));
+  }
+  cache.close();
+
+  switch (rewrite) {
+    case CopyRewrite::Refresh:
+      for (Held& h : held) h.weight->refresh_value_if_stale(ctx);
+      break;
+    case CopyRewrite::PlainUpdate:  // the same gradients again, through the multi-tensor pass
+      for (Held& h : held) optimizer.set_custom_update(*h.weight, nullptr);
+      optimizer.step(ctx, oc.lr);
+      break;
+    case CopyRewrite::FallbackUpdate:
+      models::disable_fp8(model);
+      optimizer.step(ctx, oc.lr);
+      break;
+  }
+  for (Held& h : held) {
+    nn::Parameter& w = *h.weight;
+    SCOPED_TRACE(w.name);
     EXPECT_FALSE(w.value_stale || w.value_memory_lent);
-    EXPECT_FALSE(w.value.shares_storage(lent));
-    for (size_t e = 0; e < codes.experts.size(); ++e) {
-      EXPECT_TRUE(same_bits_on_host(bits[2 * e], codes.experts[e].data)) << "expert " << e;
-      EXPECT_TRUE(same_bits_on_host(bits[2 * e + 1], codes.experts[e].data_t)) << "expert " << e;
+    EXPECT_FALSE(w.value.shares_storage(h.lent));
+    for (size_t e = 0; e < h.codes.experts.size(); ++e) {
+      EXPECT_TRUE(same_bits_on_host(h.bits[2 * e], h.codes.experts[e].data)) << "expert " << e;
+      EXPECT_TRUE(same_bits_on_host(h.bits[2 * e + 1], h.codes.experts[e].data_t)) << "expert " << e;
     }
     Tensor want = Tensor::empty(w.value.shape(), DType::BF16, ctx.device);
     cast(ctx, w.master, want);
     EXPECT_TRUE(same_bits_on_host(want, w.value));
   }
-  cache.close();
 }
 
 // With several micro-batches the forwards cast every expert once a step anyway (the weight
@@ -271,6 +307,18 @@ inline void expect_cast_in_optimizer_serves_single_micro_batch(Context& ctx) {
   expect_identical_runs({fused.losses, plain.losses}, {fused.finals, plain.finals});
   EXPECT_EQ(plain.hits, 0);
   EXPECT_EQ(fused.hits, 2 * 2 * layers);
+}
+
+// A run that loses its primed casts (a resume from a checkpoint, a rewind) repeats the
+// uninterrupted one to the bit, even with one micro-batch a step and experts left without
+// tokens: its next forward casts every expert, recording every expert's amax, as the
+// optimizer's casts would have. One token a micro-batch leaves 2 of the 4 experts without.
+inline void expect_a_run_without_its_primed_casts_repeats_the_uninterrupted_one(Context& ctx) {
+  const CastRun uninterrupted = train_mixtral_casting(ctx, 1, true, {1, 1});
+  const CastRun resumed = train_mixtral_casting(ctx, 1, true, {1, 1}, /*resume_before=*/1);
+  EXPECT_GT(resumed.experts_without_tokens, 0);  // what would tell the runs apart
+  expect_identical_runs({uninterrupted.losses, resumed.losses}, {uninterrupted.finals, resumed.finals});
+  EXPECT_EQ(resumed.hits, uninterrupted.hits - 2 * static_cast<int64_t>(tiny_mixtral_config().num_layers));
 }
 
 }  // namespace tessera::testing

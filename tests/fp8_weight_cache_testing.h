@@ -124,6 +124,53 @@ inline void expect_experts_cached_whatever_the_splits(Context& ctx) {
   }
 }
 
+// A cache opened only to serve primed casts (keep_new false: how fp8.cast_in_optimizer opens
+// it in a step without them, the first or one after a resume or a rewind) keeps nothing, but
+// a cast made there is of every expert: an expert without rows gets its weight amax recorded,
+// as the optimizer's casts record it. The outputs and gradients are the uncached cast's bits
+// (on the GPU W^T is then not held from the forward to the backward but cast again there, as
+// uncached).
+inline void expect_a_serving_cache_casts_every_expert(Context& ctx) {
+  const int64_t experts = 3, hidden = 32, ffn = 48;
+  const std::vector<int64_t> splits = {16, 0, 16};
+  std::vector<std::vector<Tensor>> outputs(2);
+  std::vector<std::vector<double>> pending(2);
+  std::vector<int64_t> weight_slots;  // fc's, then proj's, per expert
+  for (int serving = 0; serving < 2; ++serving) {
+    const auto owned = seeded_mlp(ctx, experts, hidden, ffn);
+    nn::GroupedMLP& mlp = *owned;
+    MoEFp8Options o;
+    auto cache = std::make_shared<fp8::WeightCache>();
+    o.weight_cache = cache;
+    auto state = std::make_shared<fp8::DeviceDelayedScaling>(ctx, fp8::DelayedScalingConfig{}, mlp.delayed_roles());
+    o.delayed = state;
+    mlp.use_fp8(o);
+    if (serving) cache->open(/*keep_new=*/false, /*serve_once=*/true);
+    const Tensor x = rows_input(32, hidden, splits, 10).to(ctx.device);
+    const Tensor prob = random_tensor({32}, DType::BF16, 20, 0.1f, 0.9f).to(ctx.device);
+    const Tensor dy = rows_input(32, hidden, splits, 30).to(ctx.device);
+    const MlpRun r = run_mlp(mlp, ctx, x, prob, dy, splits);
+    for (const Tensor* t : {&r.y, &r.dx, &r.d_scale, &r.dfc, &r.dproj}) outputs[serving].push_back(*t);
+    EXPECT_EQ(cache->size(), 0);
+    EXPECT_EQ(cache->hits(), 0);
+    pending[serving] = state->pending_amaxes().to(Device::cpu()).to_doubles();
+    weight_slots.clear();
+    for (const nn::GroupedLinear* linear : {&mlp.fc, &mlp.proj})
+      for (int64_t e = 0; e < experts; ++e)
+        weight_slots.push_back(linear->fp8_options()->delayed_base + MoEFp8Options::kDelayedWeight + e);
+  }
+  ASSERT_EQ(outputs[0].size(), outputs[1].size());
+  for (size_t i = 0; i < outputs[0].size(); ++i) EXPECT_TRUE(same_bits(outputs[0][i], outputs[1][i])) << i;
+  for (size_t i = 0; i < weight_slots.size(); ++i) {
+    const size_t slot = static_cast<size_t>(weight_slots[i]);
+    const bool without_rows = i % experts == 1;
+    SCOPED_TRACE(::testing::Message() << "weight slot " << slot);
+    EXPECT_GT(pending[1][slot], 0.0);
+    if (without_rows) EXPECT_EQ(pending[0][slot], 0.0);  // the uncached cast skips the expert
+    else EXPECT_EQ(pending[0][slot], pending[1][slot]);
+  }
+}
+
 // Largest |a - b| over the largest |b| of two tensors of one shape (on any device).
 inline double max_relative_difference(const Tensor& a, const Tensor& b) {
   const std::vector<double> x = a.to(Device::cpu()).to_doubles(), y = b.to(Device::cpu()).to_doubles();

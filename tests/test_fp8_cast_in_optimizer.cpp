@@ -59,9 +59,24 @@ TEST(Fp8CastInOptimizer, MixtralTrainsTheSameBitsWithOneMicroBatch) {
   expect_cast_in_optimizer_serves_single_micro_batch(ctx);
 }
 
+TEST(Fp8CastInOptimizer, ARunWithoutItsPrimedCastsRepeatsTheUninterruptedOne) {
+  Context ctx = Context::cpu();
+  expect_a_run_without_its_primed_casts_repeats_the_uninterrupted_one(ctx);
+}
+
 TEST(Fp8CastInOptimizer, CodesLiveInTheStaleBf16Copy) {
   Context ctx = Context::cpu();
-  expect_codes_live_in_the_stale_copy(ctx);
+  expect_codes_live_in_the_stale_copy(ctx, CopyRewrite::Refresh);
+}
+
+TEST(Fp8CastInOptimizer, CodesKeepTheirBitsThroughAPlainUpdate) {
+  Context ctx = Context::cpu();
+  expect_codes_live_in_the_stale_copy(ctx, CopyRewrite::PlainUpdate);
+}
+
+TEST(Fp8CastInOptimizer, CodesKeepTheirBitsThroughTheFallbackUpdate) {
+  Context ctx = Context::cpu();
+  expect_codes_live_in_the_stale_copy(ctx, CopyRewrite::FallbackUpdate);
 }
 
 TEST(Fp8CastInOptimizer, ConfigKeyNeedsDelayedScaling) {

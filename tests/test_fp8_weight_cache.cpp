@@ -68,6 +68,11 @@ TEST(Fp8WeightCache, ExpertsWithoutRowsInTheFirstMicroBatchAreCachedToo) {
   expect_experts_cached_whatever_the_splits(ctx);
 }
 
+TEST(Fp8WeightCache, ACacheServingPrimedCastsCastsEveryExpert) {
+  Context ctx = Context::cpu();
+  expect_a_serving_cache_casts_every_expert(ctx);
+}
+
 TEST(Fp8WeightCache, DeferredExpertWeightGradientsMatchThePerMicroBatchOnes) {
   Context ctx = Context::cpu();
   expect_deferred_expert_wgrad_matches(ctx);

@@ -51,8 +51,26 @@ TEST(GpuFp8CastInOptimizer, MixtralTrainsTheSameBitsWithOneMicroBatch) {
   expect_cast_in_optimizer_serves_single_micro_batch(ctx);
 }
 
+TEST(GpuFp8CastInOptimizer, ARunWithoutItsPrimedCastsRepeatsTheUninterruptedOne) {
+  REQUIRE_GPU();
+  Context ctx = Context::cuda();
+  expect_a_run_without_its_primed_casts_repeats_the_uninterrupted_one(ctx);
+}
+
 TEST(GpuFp8CastInOptimizer, CodesLiveInTheStaleBf16Copy) {
   REQUIRE_GPU();
   Context ctx = Context::cuda();
-  expect_codes_live_in_the_stale_copy(ctx);
+  expect_codes_live_in_the_stale_copy(ctx, CopyRewrite::Refresh);
+}
+
+TEST(GpuFp8CastInOptimizer, CodesKeepTheirBitsThroughAPlainUpdate) {
+  REQUIRE_GPU();
+  Context ctx = Context::cuda();
+  expect_codes_live_in_the_stale_copy(ctx, CopyRewrite::PlainUpdate);
+}
+
+TEST(GpuFp8CastInOptimizer, CodesKeepTheirBitsThroughTheFallbackUpdate) {
+  REQUIRE_GPU();
+  Context ctx = Context::cuda();
+  expect_codes_live_in_the_stale_copy(ctx, CopyRewrite::FallbackUpdate);
 }

@@ -27,6 +27,12 @@ TEST(GpuFp8WeightCache, ExpertsWithoutRowsInTheFirstMicroBatchAreCachedToo) {
   expect_experts_cached_whatever_the_splits(ctx);
 }
 
+TEST(GpuFp8WeightCache, ACacheServingPrimedCastsCastsEveryExpert) {
+  REQUIRE_GPU();
+  Context ctx = Context::cuda();
+  expect_a_serving_cache_casts_every_expert(ctx);
+}
+
 TEST(GpuFp8WeightCache, DeferredExpertWeightGradientsMatchThePerMicroBatchOnes) {
   REQUIRE_GPU();
   Context ctx = Context::cuda();

@@ -472,6 +472,13 @@ TransformerLM::HeadLoss TransformerLM::forward_backward_queued(Context& ctx, con
   return loss;
 }
 
+std::vector<nn::GroupedLinear*> TransformerLM::expert_linears() {
+  std::vector<nn::GroupedLinear*> linears;
+  for (auto& layer : layers)
+    if (layer->moe) linears.insert(linears.end(), {&layer->moe->experts.fc, &layer->moe->experts.proj});
+  return linears;
+}
+
 std::vector<std::vector<int64_t>> TransformerLM::expert_loads() const {
   std::vector<std::vector<int64_t>> out;
   for (const auto& layer : layers)

@@ -95,9 +95,12 @@ void Fp8Scaling::begin_step(int64_t micro_batches) {
   cached_micro_batches_left_ = recipe_.cache_weights && micro_batches > 1 ? micro_batches : 0;
   if (cached_micro_batches_left_ > 0) {
     weight_cache_->open();
-  } else if (weight_cache_->has_primed()) {
+  } else if (weight_cache_->has_primed() || recipe_.cast_in_optimizer) {
     // fp8.cast_in_optimizer: the optimizer's casts serve this step, nothing else is kept;
-    // with one micro-batch each is served once and then left to its user.
+    // with one micro-batch each is served once and then left to its user. Open without
+    // primed casts too (the first step, after a resume or a rewind): the experts' forwards
+    // then cast every expert, recording every expert's amax as the optimizer's casts do,
+    // so that such a run repeats the uninterrupted one to the bit.
     cached_micro_batches_left_ = std::max<int64_t>(micro_batches, 1);
     weight_cache_->open(/*keep_new=*/false, /*serve_once=*/micro_batches <= 1);
   } else {

@@ -54,18 +54,25 @@ Tensor GroupedLinear::forward_fp8(Context& ctx, MoEFp8Rows x, Fp8Saved& saved) c
                 weight.name, ": forward_fp8 needs an FP8 setting, a BF16 weight, in and out multiples of 16 and an ",
                 "FP8 input [M, ", in_, "]");
   // Under gradient accumulation (an open weight cache) every expert is cast once a step, with
-  // W^T too, and the later micro-batches reuse the codes, whatever their splits.
+  // W^T too, and the later micro-batches reuse the codes, whatever their splits. A cache open
+  // only to serve fp8.cast_in_optimizer's primed casts keeps nothing new: a cast made there
+  // (no primed one: the first step, after a resume or a rewind) is of every expert as well,
+  // recording every expert's amax as the optimizer's casts do, but W^T only as uncached.
   const bool cached = fp8_->weight_cache && fp8_->weight_cache->is_open();
   if (cached) {
+    const bool kept = fp8_->weight_cache->keeps_new();
     saved.w = fp8_->weight_cache->get_or_make<MoEFp8Weights>(&weight, [&] {
       MoEFp8Options all = *fp8_;
-      all.keep_weight_transpose = true;
+      all.keep_weight_transpose = fp8_->keep_weight_transpose || kept;
       return moe_fp8_quantize_weights(ctx, current_weight3d(ctx), std::vector<int64_t>(static_cast<size_t>(experts_), 1),
                                       all);
     });
   } else {
     saved.w = moe_fp8_quantize_weights(ctx, current_weight3d(ctx), x.splits, *fp8_);
   }
+  bool with_transpose = fp8_->keep_weight_transpose;  // cached codes: W^T as made or primed
+  if (cached)
+    for (const fp8::QuantizedTensor& e : saved.w.experts) with_transpose = with_transpose || e.data_t.defined();
   Tensor y = Tensor::empty({x.data.size(0), out_}, weight.value.dtype(), ctx.device);
   grouped_linear_forward_fp8(ctx, x, saved.w, y);
   // The backward reads the transposed codes only (dgrad: W^T, wgrad: x^T). The GEMMs queued
@@ -74,7 +81,7 @@ Tensor GroupedLinear::forward_fp8(Context& ctx, MoEFp8Rows x, Fp8Saved& saved) c
   saved.x.data = Tensor();
   // Without keep_weight_transpose W^T goes too (backward_input_fp8 re-casts it with the
   // kept per-expert scales: the same codes); with it, the scales go.
-  if (fp8_->keep_weight_transpose || cached) saved.w.scales.clear();
+  if (with_transpose) saved.w.scales.clear();
   else saved.w.experts.assign(saved.w.experts.size(), fp8::QuantizedTensor());
   for (auto& w : saved.w.experts) w.data = Tensor();
   return y;

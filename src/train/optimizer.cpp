@@ -72,23 +72,20 @@ void Optimizer::queue(Context& ctx, const AdamWOptions& options, const Tensor& s
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i]->materialize_grad(ctx);  // a lazily zeroed gradient no backward wrote is zeros
     all[i] = i;
-    if (!custom || !custom_[i]) {
-      multi.push_back(i);
-      params_[i]->own_value_memory();  // the plain update writes value: not over codes lent its memory
-    }
+    if (!custom || !custom_[i]) multi.push_back(i);
   }
   const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : 0.0;
-  Lists l = lists_for(all);
+  Lists l = lists_for(all, /*writes_values=*/!custom);
   global_grad_norm(ctx, l.grads, norm_, &norm_cache_);
   // Clipping scales the gradient, not lr and eps: Adam is scale invariant except for eps,
   // so scaling those would be another update.
-  if (custom) l = lists_for(multi);
+  if (custom) l = lists_for(multi, /*writes_values=*/true);
   adamw_step_multi(ctx, l.weights, l.grads, l.exp_avg, l.exp_avg_sq, l.values, options, l.weight_decays, norm_,
                    max_norm, &adamw_cache_, step_scalars);
   for (size_t i : custom ? multi : all) params_[i]->value_stale = false;  // their values were written
   if (!custom) return;
   for (size_t i : custom_order_) {
-    const Lists one = lists_for({i});
+    const Lists one = lists_for({i}, /*writes_values=*/false);
     AdamWTensorStep step{one.weights[0], one.grads[0], one.exp_avg[0], one.exp_avg_sq[0], one.values[0], options,
                          one.weight_decays[0], norm_, max_norm};
     custom_[i](ctx, step);
@@ -107,21 +104,18 @@ void Optimizer::set_custom_update(const nn::Parameter& parameter, CustomUpdate u
 }
 
 int use_cast_in_optimizer(models::TransformerLM& model, Optimizer& optimizer) {
-  int weights = 0;
-  for (auto& layer : model.layers)
-    if (layer->moe)
-      for (nn::GroupedLinear* linear : {&layer->moe->experts.fc, &layer->moe->experts.proj}) {
-        optimizer.set_custom_update(linear->weight,
-                                    [linear](Context& x, AdamWTensorStep& s) { linear->optimizer_update(x, s); });
-        ++weights;
-      }
-  return weights;
+  const std::vector<nn::GroupedLinear*> linears = model.expert_linears();
+  for (nn::GroupedLinear* linear : linears)
+    optimizer.set_custom_update(linear->weight,
+                                [linear](Context& x, AdamWTensorStep& s) { linear->optimizer_update(x, s); });
+  return static_cast<int>(linears.size());
 }
 
-Optimizer::Lists Optimizer::lists_for(const std::vector<size_t>& indices) const {
+Optimizer::Lists Optimizer::lists_for(const std::vector<size_t>& indices, bool writes_values) {
   Lists l;
   for (size_t i : indices) {
-    const nn::Parameter* p = params_[i];
+    nn::Parameter* p = params_[i];
+    if (writes_values) p->own_value_memory();
     l.weights.push_back(p->weights());
     l.grads.push_back(p->grad);
     l.values.push_back(p->master.defined() ? p->value : Tensor());  // the BF16 copy to refresh
@@ -182,8 +176,7 @@ void Optimizer::queue_bucket(Context& ctx) {
   // Tensor-level work of the ops below (a multi-tensor table's first upload) goes on the side
   // stream too.
   const StreamGuard guard(side);
-  for (size_t i : bucket_) params_[i]->own_value_memory();  // the update writes value, not lent memory
-  Lists l = lists_for(bucket_);
+  Lists l = lists_for(bucket_, /*writes_values=*/true);
   Tensor norm = bucket_norms_.slice(0, static_cast<int64_t>(b), static_cast<int64_t>(b) + 1);
   global_grad_norm(side, l.grads, norm, &bucket_norm_caches_[b]);
   adamw_step_multi(side, l.weights, l.grads, l.exp_avg, l.exp_avg_sq, l.values, options_for(armed_lr_, step_ + 1),

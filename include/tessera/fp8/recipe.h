@@ -93,11 +93,11 @@ struct Recipe {
   // `cast_in_optimizer` (delayed recipe only; default false): the optimizer's update of each
   // MoE expert weight also writes its FP8 codes (both orientations) for the next step, in the
   // same pass (Transformer Engine's FP8 primary weights, without dropping the BF16 copy), so
-  // the forward and backward cast no expert weight (the update then costs about what the
-  // update and the cast cost apart); 2 bytes per expert parameter held from the update to the
-  // next backward
-  // (docs/ops/moe.md, "Casts in the optimizer"). Needs the plain optimizer (not
-  // training.zero1).
+  // the forward and backward cast no expert weight. The codes take the memory of the BF16
+  // copy the update leaves stale, so they cost none. Every step, including the first and one
+  // after a resume or a rewind, records every expert's weight amax, so such runs repeat the
+  // uninterrupted one to the bit (docs/ops/moe.md, "Casts in the optimizer"). Needs the plain
+  // optimizer (not training.zero1).
   bool cast_in_optimizer = false;
 
   std::string name() const;  // "delayed", "current", "block" or "mxfp8"

@@ -83,6 +83,8 @@ class WeightCache {
     for (auto& w : work) w(ctx);
   }
   bool is_open() const { return open_; }
+  // Whether casts made now are kept for the rest of the step (open, and opened to keep them).
+  bool keeps_new() const { return open_ && keep_new_; }
   // A cast of the weight `key` made for the next open() (see above).
   template <typename T>
   void prime(const void* key, T value) {

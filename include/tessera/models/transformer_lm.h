@@ -105,6 +105,9 @@ class TransformerLM {
   // of its load error and resets the loads. The trainer calls it after each optimizer step.
   double last_aux_loss() const { return last_aux_loss_; }
   std::vector<std::vector<int64_t>> expert_loads() const;
+  // Every MoE layer's two expert GroupedLinears (fc, then proj), layer by layer; empty for
+  // dense models and under tensor parallelism.
+  std::vector<nn::GroupedLinear*> expert_linears();
   void update_expert_biases(Context& ctx);
   // The expert biases themselves, state that is not a parameter: "layers.<i>.expert_bias" ->
   // F32 [E] host copy, for every MoE layer that has one (empty otherwise). The trainer keeps

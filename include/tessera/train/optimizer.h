@@ -142,11 +142,15 @@ class Optimizer : public OptimizerBase {
   Tensor bucket_norms_;
 
   // The multi-tensor ops' lists (handles) for the parameters at `indices`, in that order.
+  // `writes_values`: the plain update will write each BF16 copy in `values`, so a copy whose
+  // memory is lent to FP8 codes (Parameter::value_memory_lent) gets memory of its own first,
+  // and codes a forward or a pending backward still holds keep their bits. A custom update
+  // gets the copy as it is and keeps that rule itself (GroupedLinear::optimizer_update).
   struct Lists {
     std::vector<Tensor> weights, grads, values, exp_avg, exp_avg_sq;
     std::vector<float> weight_decays;
   };
-  Lists lists_for(const std::vector<size_t>& indices) const;
+  Lists lists_for(const std::vector<size_t>& indices, bool writes_values);
   AdamWOptions options_for(double lr, int64_t step) const;
   void queue(Context& ctx, const AdamWOptions& options, const Tensor& step_scalars);
   void queue_bucket(Context& ctx);
