@@ -86,6 +86,41 @@ inline std::unique_ptr<nn::GroupedMLP> seeded_mlp(Context& ctx, int64_t experts,
   return mlp;
 }
 
+// seeded_mlp in FP8 with a weight cache of its own and, for delayed scaling, a delayed state
+// of its own (null for current scaling).
+struct CachedFp8Mlp {
+  std::unique_ptr<nn::GroupedMLP> mlp;
+  std::shared_ptr<fp8::WeightCache> cache = std::make_shared<fp8::WeightCache>();
+  std::shared_ptr<fp8::DeviceDelayedScaling> state;
+};
+
+inline CachedFp8Mlp cached_fp8_mlp(Context& ctx, int64_t experts, int64_t hidden, int64_t ffn, bool delayed,
+                                   bool defer_weight_grad = false) {
+  CachedFp8Mlp m;
+  m.mlp = seeded_mlp(ctx, experts, hidden, ffn);
+  MoEFp8Options o;
+  o.weight_cache = m.cache;
+  o.defer_weight_grad = defer_weight_grad;
+  if (delayed) {
+    m.state = std::make_shared<fp8::DeviceDelayedScaling>(ctx, fp8::DelayedScalingConfig{}, m.mlp->delayed_roles());
+    o.delayed = m.state;
+  }
+  m.mlp->use_fp8(o);
+  return m;
+}
+
+// The micro-batch's random inputs: x and dy [rows, hidden] by `splits`, the probabilities.
+struct MicroBatch {
+  Tensor x, prob, dy;
+};
+
+inline MicroBatch random_micro_batch(Context& ctx, int64_t rows, int64_t hidden, const std::vector<int64_t>& splits,
+                                     uint64_t seed) {
+  return {rows_input(rows, hidden, splits, 10 + seed).to(ctx.device),
+          random_tensor({rows}, DType::BF16, 20 + seed, 0.1f, 0.9f).to(ctx.device),
+          rows_input(rows, hidden, splits, 30 + seed).to(ctx.device)};
+}
+
 // Micro-batch 1 sends no row to expert 1, micro-batch 2 sends it most: its cached codes must
 // exist and be those an uncached cast makes. Both micro-batches' outputs, gradients and (for
 // "delayed") the amax history, with the cache against without.
@@ -96,28 +131,16 @@ inline void expect_experts_cached_whatever_the_splits(Context& ctx) {
     SCOPED_TRACE(recipe);
     std::vector<std::vector<Tensor>> outputs(2);
     for (int cached = 0; cached < 2; ++cached) {
-      const auto owned = seeded_mlp(ctx, experts, hidden, ffn);
-      nn::GroupedMLP& mlp = *owned;
-      MoEFp8Options o;
-      auto cache = std::make_shared<fp8::WeightCache>();
-      o.weight_cache = cache;
-      std::shared_ptr<fp8::DeviceDelayedScaling> state;
-      if (std::string(recipe) == "delayed") {
-        state = std::make_shared<fp8::DeviceDelayedScaling>(ctx, fp8::DelayedScalingConfig{}, mlp.delayed_roles());
-        o.delayed = state;
-      }
-      mlp.use_fp8(o);
-      if (cached) cache->open();
-      for (size_t m = 0; m < splits.size(); ++m) {
-        const Tensor x = rows_input(32, hidden, splits[m], 10 + m).to(ctx.device);
-        const Tensor prob = random_tensor({32}, DType::BF16, 20 + m, 0.1f, 0.9f).to(ctx.device);
-        const Tensor dy = rows_input(32, hidden, splits[m], 30 + m).to(ctx.device);
-        const MlpRun r = run_mlp(mlp, ctx, x, prob, dy, splits[m]);
+      const CachedFp8Mlp m = cached_fp8_mlp(ctx, experts, hidden, ffn, std::string(recipe) == "delayed");
+      if (cached) m.cache->open();
+      for (size_t i = 0; i < splits.size(); ++i) {
+        const MicroBatch b = random_micro_batch(ctx, 32, hidden, splits[i], i);
+        const MlpRun r = run_mlp(*m.mlp, ctx, b.x, b.prob, b.dy, splits[i]);
         for (const Tensor* t : {&r.y, &r.dx, &r.d_scale, &r.dfc, &r.dproj}) outputs[cached].push_back(*t);
-        if (state) state->record(ctx);
+        if (m.state) m.state->record(ctx);
       }
-      if (state) outputs[cached].push_back(state->history().to(Device::cpu()));
-      EXPECT_EQ(cache->hits(), cached ? 2 : 0);  // fc and proj in the second micro-batch
+      if (m.state) outputs[cached].push_back(m.state->history().to(Device::cpu()));
+      EXPECT_EQ(m.cache->hits(), cached ? 2 : 0);  // fc and proj in the second micro-batch
     }
     ASSERT_EQ(outputs[0].size(), outputs[1].size());
     for (size_t i = 0; i < outputs[0].size(); ++i) EXPECT_TRUE(same_bits(outputs[0][i], outputs[1][i])) << i;
@@ -137,25 +160,16 @@ inline void expect_a_serving_cache_casts_every_expert(Context& ctx) {
   std::vector<std::vector<double>> pending(2);
   std::vector<int64_t> weight_slots;  // fc's, then proj's, per expert
   for (int serving = 0; serving < 2; ++serving) {
-    const auto owned = seeded_mlp(ctx, experts, hidden, ffn);
-    nn::GroupedMLP& mlp = *owned;
-    MoEFp8Options o;
-    auto cache = std::make_shared<fp8::WeightCache>();
-    o.weight_cache = cache;
-    auto state = std::make_shared<fp8::DeviceDelayedScaling>(ctx, fp8::DelayedScalingConfig{}, mlp.delayed_roles());
-    o.delayed = state;
-    mlp.use_fp8(o);
-    if (serving) cache->open(/*keep_new=*/false, /*serve_once=*/true);
-    const Tensor x = rows_input(32, hidden, splits, 10).to(ctx.device);
-    const Tensor prob = random_tensor({32}, DType::BF16, 20, 0.1f, 0.9f).to(ctx.device);
-    const Tensor dy = rows_input(32, hidden, splits, 30).to(ctx.device);
-    const MlpRun r = run_mlp(mlp, ctx, x, prob, dy, splits);
+    const CachedFp8Mlp m = cached_fp8_mlp(ctx, experts, hidden, ffn, /*delayed=*/true);
+    if (serving) m.cache->open(/*keep_new=*/false, /*serve_once=*/true);
+    const MicroBatch b = random_micro_batch(ctx, 32, hidden, splits, 0);
+    const MlpRun r = run_mlp(*m.mlp, ctx, b.x, b.prob, b.dy, splits);
     for (const Tensor* t : {&r.y, &r.dx, &r.d_scale, &r.dfc, &r.dproj}) outputs[serving].push_back(*t);
-    EXPECT_EQ(cache->size(), 0);
-    EXPECT_EQ(cache->hits(), 0);
-    pending[serving] = state->pending_amaxes().to(Device::cpu()).to_doubles();
+    EXPECT_EQ(m.cache->size(), 0);
+    EXPECT_EQ(m.cache->hits(), 0);
+    pending[serving] = m.state->pending_amaxes().to(Device::cpu()).to_doubles();
     weight_slots.clear();
-    for (const nn::GroupedLinear* linear : {&mlp.fc, &mlp.proj})
+    for (const nn::GroupedLinear* linear : {&m.mlp->fc, &m.mlp->proj})
       for (int64_t e = 0; e < experts; ++e)
         weight_slots.push_back(linear->fp8_options()->delayed_base + MoEFp8Options::kDelayedWeight + e);
   }
@@ -198,26 +212,18 @@ inline void expect_deferred_expert_wgrad_matches(Context& ctx) {
   const std::vector<std::vector<int64_t>> splits = {{16, 0, 32}, {5, 24, 19}, {40, 8, 0}};
   std::vector<std::vector<Tensor>> outputs(2), grads(2);
   for (int defer = 0; defer < 2; ++defer) {
-    const auto owned = seeded_mlp(ctx, experts, hidden, ffn);
-    nn::GroupedMLP& mlp = *owned;
-    MoEFp8Options o;
-    auto cache = std::make_shared<fp8::WeightCache>();
-    o.weight_cache = cache;
-    o.defer_weight_grad = defer == 1;
-    auto state = std::make_shared<fp8::DeviceDelayedScaling>(ctx, fp8::DelayedScalingConfig{}, mlp.delayed_roles());
-    o.delayed = state;
-    mlp.use_fp8(o);
+    const CachedFp8Mlp owned = cached_fp8_mlp(ctx, experts, hidden, ffn, /*delayed=*/true, /*defer_weight_grad=*/defer);
+    nn::GroupedMLP& mlp = *owned.mlp;
+    fp8::WeightCache* cache = owned.cache.get();
     for (nn::Parameter* p : {&mlp.fc.weight, &mlp.proj.weight}) p->grad_unwritten = true;  // as zero_grad
     cache->open();
     for (size_t m = 0; m < splits.size(); ++m) {
-      const Tensor x = rows_input(rows, hidden, splits[m], 10 + m).to(ctx.device);
-      const Tensor prob = random_tensor({rows}, DType::BF16, 20 + m, 0.1f, 0.9f).to(ctx.device);
-      const Tensor dy = rows_input(rows, hidden, splits[m], 30 + m).to(ctx.device);
+      const MicroBatch b = random_micro_batch(ctx, rows, hidden, splits[m], m);
       nn::GroupedMLP::Saved saved;
-      outputs[defer].push_back(mlp.forward(ctx, x, prob, splits[m], saved).to(Device::cpu()));
-      outputs[defer].push_back(mlp.backward_input(ctx, dy, saved).to(Device::cpu()));
-      mlp.backward_weight(ctx, dy, saved);
-      state->record(ctx);
+      outputs[defer].push_back(mlp.forward(ctx, b.x, b.prob, splits[m], saved).to(Device::cpu()));
+      outputs[defer].push_back(mlp.backward_input(ctx, b.dy, saved).to(Device::cpu()));
+      mlp.backward_weight(ctx, b.dy, saved);
+      owned.state->record(ctx);
     }
     // Deferred: nothing written yet (the gradients still stand for zeros).
     EXPECT_EQ(mlp.fc.weight.grad_unwritten, defer == 1);
