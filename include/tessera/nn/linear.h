@@ -95,9 +95,10 @@ class Linear {
   fp8::BlockQuantizedTensor weight_t_block(Context& ctx, const Saved& saved) const;
   fp8::MxQuantizedTensor weight_t_mx(Context& ctx, const Saved& saved) const;
   bool keep_weight_transpose() const { return fp8_.scaling && fp8_.scaling->keep_weight_transpose(); }
-  // Whether this step's weight casts come from the binding's open weight cache (which then
-  // holds W^T's codes until the step ends: the saved copy keeps them, no re-cast).
-  bool weights_cached() const { return fp8_.scaling && fp8_.scaling->weight_cache()->is_open(); }
+  // Whether this step's weight casts are kept by the binding's open weight cache (which then
+  // holds W^T's codes until the step ends: the saved copy keeps them, no re-cast). A cache
+  // open only to serve fp8.cast_in_optimizer's expert casts keeps none of these.
+  bool weights_cached() const { return fp8_.scaling && fp8_.scaling->weight_cache()->keeps_new(); }
 
   int64_t in_, out_;
   Fp8Binding fp8_;
